@@ -1,0 +1,42 @@
+"""fp4jax: MXFP4 (and NVFP4, MXFP6/8, FP8) training for JAX/Flax.
+
+Public names (see README.md):
+    QuantSpec, QArray, quantize, fake_quantize, pack_fp4, unpack_fp4  (formats)
+    rotate, hadamard_matrix                                           (hadamard)
+    Recipe, recipe, recipe_names                                      (recipes)
+    dot_general                                                       (dot_general)
+    flax.DotGeneral                                                   (flax adapters)
+
+Submodules are imported on first use, so `import fp4jax` stays light and the
+numerics never pull in Flax.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "QuantSpec": "formats",
+    "QArray": "formats",
+    "quantize": "formats",
+    "fake_quantize": "formats",
+    "pack_fp4": "formats",
+    "unpack_fp4": "formats",
+    "rotate": "hadamard",
+    "hadamard_matrix": "hadamard",
+    "Recipe": "recipes",
+    "recipe": "recipes",
+    "recipe_names": "recipes",
+    "dot_general": "dot_general",
+}
+
+__all__ = sorted(_EXPORTS) + ["flax"]
+
+
+def __getattr__(name):
+  if name in _EXPORTS:
+    module = importlib.import_module(f"fp4jax.{_EXPORTS[name]}")
+    return getattr(module, name)
+  if name == "flax":
+    return importlib.import_module("fp4jax.flax")
+  raise AttributeError(f"module 'fp4jax' has no attribute {name!r}")
