@@ -4,7 +4,7 @@ Public names (see README.md):
     QuantSpec, QArray, quantize, fake_quantize, pack_fp4, unpack_fp4  (formats)
     rotate, hadamard_matrix                                           (hadamard)
     Recipe, recipe, recipe_names                                      (recipes)
-    dot_general                                                       (dot_general)
+    dot_general                                                       (dot)
     flax.DotGeneral                                                   (flax adapters)
 
 Submodules are imported on first use, so `import fp4jax` stays light and the
@@ -27,7 +27,7 @@ _EXPORTS = {
     "Recipe": "recipes",
     "recipe": "recipes",
     "recipe_names": "recipes",
-    "dot_general": "dot_general",
+    "dot_general": "dot",
 }
 
 __all__ = sorted(_EXPORTS) + ["flax"]
