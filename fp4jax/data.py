@@ -1,0 +1,431 @@
+"""Training data: corpora -> documents -> tokens -> packed windows (grain).
+
+The global batch has `global_batch` rows. Row r is its own stream: it takes
+every global_batch-th document of the (epoch-shuffled) corpus, starting at
+document r, turns each into BOS + tokens + EOS, concatenates them and cuts
+the result into windows of seq_len + 1 tokens (the trainer shifts inputs and
+targets). A process builds only its rows, process_index * b .. + b with
+b = global_batch // process_count, so the processes' shards are disjoint and,
+stacked, are exactly the one-process global batch. The iterator state is the
+rows' grain states (a dict of ints), so a restored run continues exactly.
+
+Sources (data.source):
+  stdlib  the .py files of the running Python's standard library
+          (sysconfig "stdlib"), without site-packages, dist-packages and the
+          test suites (test/, tests/, idle_test/): for CPython 3.11, 734
+          files, 12.1 MB. One file is one document; files in sorted order.
+  files   data.path: a glob of .txt files (one file = one document) or of
+          .jsonl / .json / .jsonl.gz / .json.gz files (one line = one
+          document, its `data.text_key` field), e.g. MLPerf's C4
+          `c4-train.*.json.gz`. JSON lines are streamed, never loaded whole,
+          and read once per process (lines of other processes' rows are
+          skipped unparsed).
+          data.val_path: a glob for validation (C4: `c4-validation.*.json.gz`);
+          when empty, documents are split by hash.
+  tfds    data.path: a TFDS name (e.g. "c4/en:3.0.1") read with
+          tfds.data_source(name, split=data.train_split / data.val_split).
+Without a separate validation set, a document is in validation when a stable
+hash (sha256) of its file path (and line number, for JSON lines) falls below
+data.val_fraction. Training epochs repeat endlessly, each with a new shuffle;
+validation is read in order and is the same for every run and recipe.
+"""
+
+import collections
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sysconfig
+
+import grain
+import ml_collections
+import numpy as np
+
+from fp4jax.tokenizers import make_tokenizer  # pylint: disable=unused-import
+
+SOURCES = ("stdlib", "files", "tfds")
+TEXT_SUFFIXES = (".txt",)
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_STDLIB_SKIP = ("site-packages", "dist-packages", "__pycache__", "test",
+                "tests", "idle_test")
+_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def data_config():
+  """Defaults: the embedded stdlib corpus with the byte tokenizer."""
+  return ml_collections.ConfigDict(dict(
+      source="stdlib",      # one of SOURCES
+      path="",              # files: glob; tfds: dataset name
+      val_path="",          # files: validation glob ("" = split by hash)
+      tokenizer="bytes",    # "bytes", a .model or a tokenizer.json path
+      text_key="text",      # JSON / TFDS field holding the document
+      val_fraction=0.05,    # share of documents in validation (hash split)
+      train_split="train",  # tfds splits
+      val_split="validation",
+  ))
+
+
+def _in_validation(key, fraction):
+  """Stable split: sha256 of `key` as a number in [0, 1) below `fraction`."""
+  digest = hashlib.sha256(key.encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def _grain_seed(seed):
+  """A 32-bit shuffle seed derived from the run seed."""
+  digest = hashlib.sha256(f"fp4jax.data/{seed}".encode()).digest()
+  return int.from_bytes(digest[:4], "big")
+
+
+def stdlib_files(val_fraction=0.05):
+  """(root, train relpaths, validation relpaths) of the stdlib corpus."""
+  root = sysconfig.get_paths()["stdlib"]
+  paths = []
+  for directory, subdirs, names in os.walk(root):
+    subdirs[:] = sorted(d for d in subdirs if d not in _STDLIB_SKIP)
+    rel = os.path.relpath(directory, root)
+    paths += [os.path.normpath(os.path.join(rel, n)) for n in names
+              if n.endswith(".py")]
+  paths.sort()
+  val = [p for p in paths if _in_validation(p, val_fraction)]
+  train = [p for p in paths if not _in_validation(p, val_fraction)]
+  return root, train, val
+
+
+def _read_text(path):
+  with open(path, "rb") as f:
+    return f.read().decode("utf-8", errors="replace")
+
+
+def _open_lines(path):
+  """Text lines of a JSON-lines file, gzipped or not."""
+  if path.endswith(".gz"):
+    return gzip.open(path, "rt", encoding="utf-8")
+  return open(path, encoding="utf-8")
+
+
+def _text_of(record, text_key, where):
+  text = record.get(text_key) if isinstance(record, dict) else None
+  if text is None:
+    fields = sorted(record) if isinstance(record, dict) else type(record)
+    raise ValueError(f"{where}: no field {text_key!r} (data.text_key); "
+                     f"found {fields}.")
+  return text.decode("utf-8") if isinstance(text, bytes) else text
+
+
+class _JsonLinesReader:
+  """Streams JSON-lines files once per process for all its rows.
+
+  Epoch e visits `files` in an order shuffled from (seed, e) (as given when
+  seed is None), each file line by line. The documents `keep(relpath, line)`
+  selects are counted over all epochs; document c belongs to row
+  c % global_batch. Documents of this process's rows are queued (unparsed)
+  until their row asks; the others are skipped. A position is a dict
+  (epoch, file: index into the epoch's order, line, count), taken after a
+  document; each row's state is the position after its last document.
+  """
+
+  def __init__(self, files, relpaths, text_key, keep, seed, rows,
+               global_batch):
+    self.files, self.relpaths, self.text_key = files, relpaths, text_key
+    self.keep, self.seed, self.global_batch = keep, seed, global_batch
+    start = dict(epoch=0, file=0, line=0, count=0)
+    self.after = {r: dict(start) for r in rows}
+    self.queues = {r: collections.deque() for r in rows}
+    self._pos, self._lines, self._epoch_count = None, None, -1
+
+  def next_text(self, row):
+    """The next document (str) of `row`."""
+    while not self.queues[row]:
+      self._read_line()
+    raw, where, after = self.queues[row].popleft()
+    self.after[row] = after
+    return _text_of(json.loads(raw), self.text_key, where)
+
+  def restore(self, row, after):
+    """Puts `row` back to position `after`; rereads from the earliest row."""
+    self.after[row] = dict(after)
+    self._close()
+    self._pos = None
+    for queue in self.queues.values():
+      queue.clear()
+
+  def _file_index(self):
+    if self.seed is None:
+      return self._pos["file"]
+    order = np.random.default_rng([self.seed, self._pos["epoch"]]).permutation(
+        len(self.files))
+    return int(order[self._pos["file"]])
+
+  def _read_line(self):
+    if self._pos is None:  # start, or restart after a restore
+      pos = dict(min(self.after.values(), key=lambda p: p["count"]))
+      at_epoch_start = (pos["file"], pos["line"]) == (0, 0)
+      # Count at the epoch's start; unknown (-1) when restarting mid-epoch.
+      self._pos, self._epoch_count = pos, pos["count"] if at_epoch_start else -1
+    pos, index = self._pos, self._file_index()
+    if self._lines is None:
+      self._lines = _open_lines(self.files[index])
+      for _ in range(pos["line"]):
+        self._lines.readline()
+    raw = self._lines.readline()
+    if not raw:
+      self._close()
+      pos["file"], pos["line"] = pos["file"] + 1, 0
+      if pos["file"] == len(self.files):
+        if pos["count"] == self._epoch_count:
+          raise ValueError(f"no documents in {self.files} for this split "
+                           "(see data.val_fraction, data.val_path).")
+        pos["epoch"], pos["file"] = pos["epoch"] + 1, 0
+        self._epoch_count = pos["count"]
+      return
+    line = pos["line"]
+    pos["line"] += 1
+    if not raw.strip() or not self.keep(self.relpaths[index], line):
+      return
+    count = pos["count"]
+    pos["count"] += 1
+    row = count % self.global_batch
+    if row in self.queues and count >= self.after[row]["count"]:
+      self.queues[row].append(
+          (raw, f"{self.files[index]} line {line + 1}", dict(pos)))
+
+  def _close(self):
+    if self._lines is not None:
+      self._lines.close()
+      self._lines = None
+
+
+class _JsonLinesRow(grain.DatasetIterator):
+  """The documents (str) of one row, from a shared _JsonLinesReader."""
+
+  def __init__(self, reader, row):
+    super().__init__()
+    self._reader, self._row = reader, row
+
+  def __next__(self):
+    return self._reader.next_text(self._row)
+
+  def get_state(self):
+    return dict(self._reader.after[self._row])
+
+  def set_state(self, state):
+    self._reader.restore(self._row, state)
+
+
+class _PackIterator(grain.DatasetIterator):
+  """Concatenates tokens(text) of the parent's texts into windows int32[length].
+
+  State: the parent's state before the current document, and the offset
+  into its tokens.
+  """
+
+  def __init__(self, parent, tokens, length):
+    super().__init__(parent)
+    self._tokens, self._length = tokens, length
+    self._doc_state = parent.get_state()
+    self._doc, self._offset, self._skip = None, 0, 0
+
+  def __next__(self):
+    out = np.empty(self._length, np.int32)
+    filled = 0
+    while filled < self._length:
+      if self._doc is None or self._offset == len(self._doc):
+        self._doc_state = self._parent.get_state()
+        self._doc = self._tokens(next(self._parent))
+        self._offset, self._skip = self._skip, 0
+      take = min(self._length - filled, len(self._doc) - self._offset)
+      out[filled:filled + take] = self._doc[self._offset:self._offset + take]
+      filled += take
+      self._offset += take
+    return out
+
+  def get_state(self):
+    offset = self._skip if self._doc is None else self._offset
+    return dict(parent=self._doc_state, offset=offset)
+
+  def set_state(self, state):
+    """Restores lazily: the document is read again on the next window."""
+    self._parent.set_state(state["parent"])
+    self._doc_state = state["parent"]
+    self._doc, self._offset, self._skip = None, 0, state["offset"]
+
+
+class BatchIterator:
+  """Endless (or, for validation, in-order) batches int32[rows, seq_len + 1].
+
+  `get_state()` returns a JSON-serialisable dict; `set_state` restores it
+  into an iterator built with the same arguments.
+  """
+
+  def __init__(self, row_iterators, first_row, global_batch):
+    self._rows = row_iterators
+    self._key = dict(first_row=first_row, global_batch=global_batch)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return np.stack([next(r) for r in self._rows])
+
+  def get_state(self):
+    return dict(self._key, rows=[r.get_state() for r in self._rows])
+
+  def set_state(self, state):
+    given = {k: state.get(k) for k in self._key}
+    if given != self._key or len(state["rows"]) != len(self._rows):
+      raise ValueError(f"data iterator state for {given} with "
+                       f"{len(state['rows'])} rows does not fit this "
+                       f"iterator ({self._key}, {len(self._rows)} rows).")
+    for r, s in zip(self._rows, state["rows"]):
+      r.set_state(s)
+
+
+def _glob(pattern, what):
+  files = sorted(f for f in glob.glob(os.path.expanduser(pattern),
+                                      recursive=True) if os.path.isfile(f))
+  if not files:
+    raise FileNotFoundError(
+        f"{what} {pattern!r} matches no files; give a glob of "
+        f"{TEXT_SUFFIXES + JSON_SUFFIXES} files, e.g. "
+        "'/data/c4/en/c4-train.*.json.gz'.")
+  kinds = {f.endswith(TEXT_SUFFIXES) + 2 * f.endswith(JSON_SUFFIXES)
+           for f in files}
+  if kinds not in ({1}, {2}):
+    raise ValueError(
+        f"{what} {pattern!r} must match only .txt files or only JSON-lines "
+        f"files {JSON_SUFFIXES}; got e.g. {files[:3]}.")
+  root = os.path.commonpath([os.path.dirname(os.path.abspath(f))
+                             for f in files])
+  return files, [os.path.relpath(os.path.abspath(f), root) for f in files]
+
+
+def _check_text_key(path, text_key):
+  """Fails at start when the first record of `path` lacks the text field."""
+  with _open_lines(path) as lines:
+    for number, raw in enumerate(lines):
+      if raw.strip():
+        _text_of(json.loads(raw), text_key, f"{path} line {number + 1}")
+        return
+
+
+def _corpus(cfg, split):
+  """The documents (str) of split "train" or "validation".
+
+  Returns a grain.MapDataset (random access) or a function
+  (seed, rows, global_batch) -> _JsonLinesReader (streamed).
+  """
+  validation = split == "validation"
+  if cfg.source == "stdlib" and (cfg.path or cfg.val_path):
+    raise ValueError("data.source='stdlib' takes no data.path / val_path "
+                     f"(got {cfg.path!r}, {cfg.val_path!r}); use "
+                     "data.source='files' for your own files.")
+  if cfg.source == "stdlib":
+    root, train, val = stdlib_files(cfg.val_fraction)
+    rels = val if validation else train
+    if not rels:
+      raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
+                       f"files (data.val_fraction={cfg.val_fraction}).")
+    return grain.MapDataset.source(rels).map(
+        lambda rel: _read_text(os.path.join(root, rel)))
+  if cfg.source == "files":
+    if not cfg.path:
+      raise ValueError("data.source='files' needs data.path, a glob such as "
+                       "'/data/c4/en/c4-train.*.json.gz'.")
+    by_hash = not cfg.val_path
+    pattern, what = ((cfg.val_path, "data.val_path") if validation and
+                     not by_hash else (cfg.path, "data.path"))
+    files, rels = _glob(pattern, what)
+    wanted = validation if by_hash else None
+    if files[0].endswith(TEXT_SUFFIXES):
+      chosen = [f for f, r in zip(files, rels) if wanted is None
+                or _in_validation(r, cfg.val_fraction) == wanted]
+      if not chosen:
+        raise ValueError(f"{what} {pattern!r}: none of its {len(files)} "
+                         f"files falls in {split} (data.val_fraction="
+                         f"{cfg.val_fraction}); add files or set "
+                         "data.val_path.")
+      return grain.MapDataset.source(chosen).map(_read_text)
+    _check_text_key(files[0], cfg.text_key)
+    fraction = cfg.val_fraction
+
+    def keep(rel, line):
+      return wanted is None or _in_validation(f"{rel}:{line}",
+                                              fraction) == wanted
+
+    return lambda seed, rows, global_batch: _JsonLinesReader(
+        files, rels, cfg.text_key, keep, seed, rows, global_batch)
+  if cfg.source == "tfds":
+    try:
+      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          "data.source='tfds' needs tensorflow-datasets, which is not "
+          "installed (pip install 'fp4jax[tfds]').") from e
+    if not cfg.path:
+      raise ValueError("data.source='tfds' needs data.path, a TFDS name such "
+                       "as 'c4/en:3.0.1'.")
+    name = cfg.val_split if validation else cfg.train_split
+    source = tfds.data_source(cfg.path, split=name)
+    _text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
+    return grain.MapDataset.source(source).map(
+        lambda record: _text_of(record, cfg.text_key, cfg.path))
+  raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
+                   f"{SOURCES}.")
+
+
+def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
+             process_index, process_count):
+  """A BatchIterator over this process's rows of `split`."""
+  if seq_len < 1 or global_batch < 1:
+    raise ValueError(f"seq_len ({seq_len}) and the batch size "
+                     f"({global_batch}) must be positive.")
+  if global_batch % process_count or not 0 <= process_index < process_count:
+    raise ValueError(
+        f"batch size {global_batch} must divide evenly over {process_count} "
+        f"processes, and process_index ({process_index}) lie in "
+        f"[0, {process_count}).")
+  corpus = _corpus(cfg, split)
+  bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
+
+  def tokens(text):
+    return np.concatenate([[bos], tokenizer.encode(text), [eos]]).astype(
+        np.int32)
+
+  per_process = global_batch // process_count
+  first = process_index * per_process
+  rows = range(first, first + per_process)
+  shuffle_seed = None if seed is None else _grain_seed(seed)
+  if isinstance(corpus, grain.MapDataset):
+    docs = corpus if seed is None else corpus.shuffle(shuffle_seed)
+    texts = [iter(docs.repeat()[r::global_batch].to_iter_dataset(_NO_THREADS))
+             for r in rows]
+  else:
+    reader = corpus(shuffle_seed, rows, global_batch)
+    texts = [_JsonLinesRow(reader, r) for r in rows]
+  return BatchIterator([_PackIterator(t, tokens, seq_len + 1) for t in texts],
+                       first, global_batch)
+
+
+def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
+                   process_index=0, process_count=1):
+  """Endless shuffled batches int32[global_batch // process_count, seq_len+1].
+
+  Epochs repeat with a new shuffle; same seed, same batches. The result has
+  get_state() / set_state(state) (a JSON-serialisable dict).
+  """
+  return _batches(data_cfg, tokenizer, "train", seed, seq_len, global_batch,
+                  process_index, process_count)
+
+
+def validation_batches(data_cfg, tokenizer, *, seq_len, batch_size,
+                       num_batches, process_index=0, process_count=1):
+  """The fixed validation set: num_batches arrays int32[b, seq_len + 1].
+
+  Documents are read in order (repeating if the split is short), so the list
+  is the same for every run, seed and recipe.
+  """
+  batches = _batches(data_cfg, tokenizer, "validation", None, seq_len,
+                     batch_size, process_index, process_count)
+  return [next(batches) for _ in range(num_batches)]

@@ -1,0 +1,138 @@
+"""Tokenizers: UTF-8 bytes (the default), SentencePiece and Hugging Face files.
+
+Every tokenizer has `.vocab_size`, `.bos_id`, `.eos_id`, `.encode(text) ->
+int32[n]` (no special tokens added) and `.decode(ids) -> str`. The data
+pipeline adds BOS/EOS itself.
+
+`make_tokenizer(name_or_path)` accepts:
+  "bytes"                 UTF-8 bytes 0..255, BOS 256, EOS 257; vocab_size 288
+                          (padded to a multiple of 32, so the vocab axis fills
+                          whole MX blocks and shards evenly).
+  PATH.model              a SentencePiece model (needs `sentencepiece`).
+  PATH/tokenizer.json     a Hugging Face tokenizer file (needs `tokenizers`),
+  or a directory holding  e.g. Llama 3's; BOS/EOS are read from a
+  one                     tokenizer_config.json beside it when present, else
+                          found among the usual special-token names.
+"""
+
+import json
+import os
+
+import numpy as np
+
+_EXTRAS_HINT = "pip install 'fp4jax[tokenizers]'"
+# Special-token names tried, in order, when no tokenizer_config.json says.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[EOS]")
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as tokens 0..255; BOS = 256, EOS = 257."""
+
+  vocab_size = 288
+  bos_id = 256
+  eos_id = 257
+
+  def encode(self, text):
+    """str -> int32[n_bytes]."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+  def decode(self, ids):
+    """int[n] -> str; ids outside 0..255 (specials) are dropped."""
+    ids = np.asarray(ids)
+    data = ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
+    return data.decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece `.model` file."""
+
+  def __init__(self, path):
+    try:
+      import sentencepiece  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          f"tokenizer {path!r} is a SentencePiece model, but `sentencepiece` "
+          f"is not installed ({_EXTRAS_HINT}).") from e
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self._sp.get_piece_size()
+    self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
+    if self.bos_id < 0 or self.eos_id < 0:
+      raise ValueError(
+          f"SentencePiece model {path!r} defines no BOS or EOS piece "
+          f"(bos_id={self.bos_id}, eos_id={self.eos_id}).")
+
+  def encode(self, text):
+    """str -> int32[n]."""
+    return np.asarray(self._sp.encode(text), np.int32)
+
+  def decode(self, ids):
+    return self._sp.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer:
+  """A Hugging Face `tokenizer.json` (e.g. Llama 3's)."""
+
+  def __init__(self, path):
+    try:
+      import tokenizers  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          f"tokenizer {path!r} is a Hugging Face tokenizer file, but "
+          f"`tokenizers` is not installed ({_EXTRAS_HINT}).") from e
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    bos_name, eos_name = _special_names(os.path.dirname(path))
+    self.bos_id = self._token_id(path, "BOS", bos_name or _BOS_NAMES)
+    self.eos_id = self._token_id(path, "EOS", eos_name or _EOS_NAMES)
+
+  def _token_id(self, path, what, names):
+    names = (names,) if isinstance(names, str) else names
+    for name in names:
+      token_id = self._tok.token_to_id(name)
+      if token_id is not None:
+        return token_id
+    raise ValueError(
+        f"tokenizer {path!r} has no {what} token; looked for {list(names)}.")
+
+  def encode(self, text):
+    """str -> int32[n] (no special tokens added)."""
+    return np.asarray(
+        self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids):
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _special_names(directory):
+  """(bos, eos) token strings from tokenizer_config.json, or (None, None)."""
+  config_path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.exists(config_path):
+    return None, None
+  with open(config_path, encoding="utf-8") as f:
+    config = json.load(f)
+
+  def name(key):
+    token = config.get(key)
+    return token.get("content") if isinstance(token, dict) else token
+
+  return name("bos_token"), name("eos_token")
+
+
+def make_tokenizer(name_or_path):
+  """"bytes", a SentencePiece .model path, or a tokenizer.json (or its dir)."""
+  if name_or_path == "bytes":
+    return ByteTokenizer()
+  path = str(name_or_path)
+  if os.path.isdir(path):
+    path = os.path.join(path, "tokenizer.json")
+  if not (path.endswith(".model") or path.endswith(".json")):
+    raise ValueError(
+        f"unknown tokenizer {name_or_path!r}; allowed: 'bytes', a path to a "
+        "SentencePiece '.model' file, or a Hugging Face 'tokenizer.json' "
+        "(or a directory holding one).")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"tokenizer file {path!r} does not exist.")
+  if path.endswith(".model"):
+    return SentencePieceTokenizer(path)
+  return HuggingFaceTokenizer(path)
