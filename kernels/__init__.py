@@ -1,1 +1,7 @@
-"""Pallas kernels for the quantization hot path (imported as fp4jax.kernels)."""
+"""Pallas kernels for the quantization hot path (imported as fp4jax.kernels).
+
+  quantize  fused [Hadamard] -> MX quantize -> packed E2M1 + E8M0 codes, and the
+            fused fake quantize the dot_general's `pallas` backend calls
+  gemm      MXFP4 x MXFP4 GEMM reading packed operands (bf16 math, f32 accumulation)
+  native    MXFP4 GEMMs on block-scaled matrix units (compute capability >= 10.0)
+"""

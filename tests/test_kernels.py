@@ -1,0 +1,253 @@
+"""fp4jax.kernels.quantize against the XLA reference, bit for bit.
+
+On the CPU the kernels run interpreted (interpret=None); on a GPU the same
+tests run them compiled. Small tiles make every grid multi-tile with partial
+tiles along both axes; N = 80 needs padding to the 32-element block.
+"""
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import hypothesis
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+
+from fp4jax import formats, hadamard
+from fp4jax.kernels import gemm
+from fp4jax.kernels import quantize as kq
+
+M, N = 24, 80  # rows, blocked length (80 = 2.5 blocks of 32, 5 of 16)
+TILE = {"row": (16, 32), "col": (32, 16)}
+
+
+def _data(dtype=jnp.float32, seed=0):
+  """[M, N] values over many binades, with special blocks along N.
+
+  Row 1 has a NaN in its first block, row 2 a zero block, row 3 an Inf,
+  row 4 E2M1 ties (x.5 of the grid spacing), rows 5 and 6 FP32 subnormal and
+  near-overflow values.
+  """
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(k1, (M, N)) * jnp.exp2(
+      jax.random.randint(k2, (M, N), -12, 12).astype(jnp.float32))
+  ties = jnp.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+  x = x.at[1, 5].set(jnp.nan).at[2, 32:64].set(0.0).at[3, 70].set(jnp.inf)
+  x = x.at[4, :32].set(ties * 8.0).at[5].set(x[5] * 1e-40).at[6].set(x[6] * 1e36)
+  return x.astype(dtype)
+
+
+def _layout(x, layout, hadamard_block=None):
+  """The [M, N] data with N as the blocked axis of each layout: (x, axis).
+
+  A Hadamard block of 32 needs N = 64 (the rotation does not pad).
+  """
+  if hadamard_block == 32:
+    x = x[:, :64]
+  if layout == "row":
+    return x, -1
+  if layout == "col":
+    return x.T, 0
+  return x.reshape(2, M // 2, -1).transpose(1, 2, 0), 1  # [M/2, N, 2], axis 1
+
+
+def _assert_bits_equal(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+  if a.dtype.kind == "f" or a.dtype.name.startswith(("float8", "bfloat")):
+    nan_a, nan_b = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    np.testing.assert_array_equal(nan_a, nan_b)
+    ints = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    a, b = np.where(nan_a, 0, a.view(ints)), np.where(nan_b, 0, b.view(ints))
+  np.testing.assert_array_equal(a, b)
+
+
+# The references, jitted (compiling one program beats dispatching op by op).
+@functools.partial(jax.jit, static_argnames=("spec", "axis", "hadamard_block"))
+def _reference_packed(x, spec, axis, hadamard_block=None, key=None):
+  if hadamard_block:
+    x = hadamard.rotate(x, hadamard_block, axis)
+  q = formats.quantize(x, spec, axis, key)
+  return formats.pack_fp4(q.values, axis), q.scales
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "axis", "hadamard_block"))
+def _reference_fake(x, spec, axis, hadamard_block=None, signs=None, key=None):
+  if hadamard_block:
+    x = hadamard.rotate(x, hadamard_block, axis, signs)
+  return formats.fake_quantize(x, spec, axis, key)
+
+
+@hypothesis.settings(max_examples=2, deadline=None, derandomize=True)
+@hypothesis.given(
+    dims=st.lists(st.integers(1, 40), min_size=0, max_size=2),
+    half_n=st.integers(1, 50), where=st.integers(0, 2),
+    mode=st.sampled_from(formats.SCALE_MODES), seed=st.integers(0, 2**16))
+def test_random_shapes_match_reference(dims, half_n, where, mode, seed):
+  """Packed codes and scales on a random shape, with the blocked axis anywhere."""
+  axis = min(where, len(dims))
+  shape = tuple(dims[:axis]) + (2 * half_n,) + tuple(dims[axis:])
+  spec = formats.QuantSpec("mxfp4", scale_mode=mode)
+  x = jax.random.normal(jax.random.key(seed), shape) * 100
+  for got, want in zip(kq.quantize_packed(x, spec, axis), _reference_packed(x, spec, axis)):
+    _assert_bits_equal(got, want)
+
+
+def test_e2m1_codes_and_values_match_the_casts():
+  grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+  q = jnp.asarray(np.concatenate([grid, -grid, [np.nan, -np.nan]]))
+  want = lax.bitcast_convert_type(q.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+  np.testing.assert_array_equal(kq.e2m1_codes(q), want)
+  codes = jnp.arange(16, dtype=jnp.int32)
+  values = lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
+  _assert_bits_equal(kq.e2m1_values(codes), values.astype(jnp.float32))
+
+
+# All four scale modes row-wise; column-wise here floor, and even and ceil in
+# the fake-quantize tests below (each case costs one kernel compile).
+@pytest.mark.parametrize("mode,layout", [(m, "row") for m in formats.SCALE_MODES]
+                         + [("floor", "col")])
+def test_packed_matches_reference(mode, layout):
+  spec = formats.QuantSpec("mxfp4", scale_mode=mode)
+  x, axis = _layout(_data(), layout)
+  codes, scales = kq.quantize_packed(x, spec, axis, tile=TILE[layout])
+  want_codes, want_scales = _reference_packed(x, spec, axis)
+  _assert_bits_equal(codes, want_codes)
+  _assert_bits_equal(scales, want_scales)
+  assert scales.dtype == jnp.float8_e8m0fnu
+
+
+@pytest.mark.parametrize("layout,hadamard_block", [("row", 16), ("col", 32)])
+def test_packed_with_hadamard_matches_reference(layout, hadamard_block):
+  spec = formats.QuantSpec("mxfp4", scale_mode="even")
+  x, axis = _layout(_data(jnp.bfloat16, seed=1), layout, hadamard_block)
+  got = kq.quantize_packed(x, spec, axis, hadamard_block=hadamard_block,
+                           tile=TILE[layout])
+  for g, w in zip(got, _reference_packed(x, spec, axis, hadamard_block)):
+    _assert_bits_equal(g, w)
+
+
+@pytest.mark.parametrize("layout,mode,hadamard_block,signs,dtype", [
+    ("row", "rceil", None, None, jnp.bfloat16),
+    ("col", "even", 16, None, jnp.float32),
+    ("mid", "floor", 32, "fixed", jnp.bfloat16),
+    ("col", "ceil", 16, "key", jnp.bfloat16),
+])
+def test_fake_quantize_matches_reference(layout, mode, hadamard_block, signs, dtype):
+  spec = formats.QuantSpec("mxfp4", scale_mode=mode)
+  if signs == "key":
+    signs = jax.random.key(7)
+  elif signs == "fixed":
+    signs = hadamard.random_signs(jax.random.key(8), hadamard_block)
+  x, axis = _layout(_data(dtype, seed=2), layout, hadamard_block)
+  tile = TILE["row" if layout == "row" else "col"]
+  got = kq.fake_quantize(x, spec, axis, hadamard_block=hadamard_block, signs=signs,
+                         tile=tile)
+  _assert_bits_equal(got, _reference_fake(x, spec, axis, hadamard_block, signs))
+
+
+def test_nan_block_gives_nan_scale_in_every_shape():
+  """A NaN anywhere in a block makes its scale 0xFF and the block NaN.
+
+  Checked on its own, not only against the reference: XLA:CPU's float max
+  reduction drops NaNs for some shapes (a [2, 32, 64] max over axis 1 does),
+  which is why the amax is an integer max of the magnitude bits.
+  """
+  spec = formats.QuantSpec("mxfp4")
+  x = jnp.ones((64, 64)).at[3, :].set(jnp.nan)
+  _, scales = kq.quantize_packed(x, spec, 0)
+  bits = np.asarray(lax.bitcast_convert_type(scales, jnp.uint8))
+  np.testing.assert_array_equal(bits, np.stack([np.full(64, 0xFF), np.full(64, 125)]))  # 2^-2: amax 1
+
+
+def test_fake_quantize_default_tiles_other_mx_format():
+  spec = formats.QuantSpec("mxfp8_e4m3", scale_mode="rceil")
+  x = _data(jnp.bfloat16, seed=3)
+  _assert_bits_equal(kq.fake_quantize(x, spec, -1), _reference_fake(x, spec, -1))
+
+
+def test_stochastic_packed_matches_reference_given_the_same_bits():
+  spec = formats.QuantSpec("mxfp4", rounding="stochastic")
+  x, axis = _layout(_data(seed=4), "col")
+  key = jax.random.key(11)
+  bits = kq.reference_bits(key, x.shape, axis, spec.block)
+  got = kq.quantize_packed(x, spec, axis, random_bits=bits, tile=TILE["col"])
+  for g, w in zip(got, _reference_packed(x, spec, axis, key=key)):
+    _assert_bits_equal(g, w)
+
+
+def test_stochastic_fake_quantize_from_key_matches_reference():
+  spec = formats.QuantSpec("mxfp4", scale_mode="even", rounding="stochastic")
+  x = _data(jnp.bfloat16, seed=5)
+  key = jax.random.key(12)
+  got = kq.fake_quantize(x, spec, -1, hadamard_block=16, key=key, tile=TILE["row"])
+  want = _reference_fake(x, spec, -1, 16, key=key)
+  _assert_bits_equal(got, want)
+  other = kq.fake_quantize(x, spec, -1, hadamard_block=16, key=jax.random.key(13),
+                           tile=TILE["row"])
+  assert not np.array_equal(np.asarray(got, np.float32), np.asarray(other, np.float32))
+
+
+def test_gradient_is_straight_through_the_rotation():
+  spec = formats.QuantSpec("mxfp4")
+  x = jax.random.normal(jax.random.key(6), (16, 64))
+  w = jax.random.normal(jax.random.key(7), (16, 64))
+  got = jax.jit(jax.grad(
+      lambda x: jnp.sum(kq.fake_quantize(x, spec, 0, hadamard_block=16) * w)))(x)
+  want = jax.jit(jax.grad(
+      lambda x: jnp.sum(_reference_fake(x, spec, 0, 16) * w)))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rejects_what_the_reference_rejects():
+  assert kq.unsupported(formats.QuantSpec("mxfp4"), 16) is None
+  assert "dither" in kq.unsupported(formats.QuantSpec("mxfp4", rounding="stochastic_dither"))
+  assert "not a power of two" in kq.unsupported(formats.QuantSpec("mxfp4"), 24)
+  x = jnp.ones((8, 48))
+  with pytest.raises(ValueError, match="even length"):
+    kq.quantize_packed(jnp.ones((8, 33)), formats.QuantSpec("mxfp4"))
+  with pytest.raises(ValueError, match="MX QuantSpecs"):
+    kq.fake_quantize(x, formats.QuantSpec("nvfp4"))
+  with pytest.raises(ValueError, match="packs MXFP4 only"):
+    kq.quantize_packed(x, formats.QuantSpec("mxfp8_e4m3"))
+  with pytest.raises(ValueError, match="multiple of the Hadamard block 32"):
+    kq.fake_quantize(x, formats.QuantSpec("mxfp4"), hadamard_block=32)
+  with pytest.raises(ValueError, match="needs random_bits"):
+    kq.fake_quantize(x, formats.QuantSpec("mxfp4", rounding="stochastic"))
+  codes, scales = jnp.zeros((8, 24), jnp.uint8), jnp.ones((8, 2), jnp.float8_e8m0fnu)
+  with pytest.raises(ValueError, match="do not match"):
+    gemm.matmul_packed(codes, scales, codes[:, :8], scales)
+
+
+def test_interpret_defaults_to_the_backend():
+  assert kq.interpret_mode(None) == (jax.default_backend() != "gpu")
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_lowers_to_triton_for_cuda(axis):
+  """The compiled GPU path: the kernel lowers to one Triton call, no transpose.
+
+  Stochastic rounding: nearest rounding reaches Triton once
+  fp4jax.elements.round_element stops using jnp.round (lax.round has no
+  Triton lowering in jax 0.10).
+  """
+  spec = formats.QuantSpec("mxfp4", rounding="stochastic")
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+  bits = jax.ShapeDtypeStruct((256, 512), jnp.uint32)
+  fn = lambda x, b: kq.quantize_packed(x, spec, axis, hadamard_block=16, random_bits=b,
+                                       interpret=False)
+  text = jax.jit(fn).trace(x, bits).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
+  assert "stablehlo.transpose" not in text
+
+
+def test_packed_gemm_lowers_to_triton_for_cuda():
+  """K = 14336 (the FFN width): full-K blocks of 7168 bytes, 128-wide slabs."""
+  s = jax.ShapeDtypeStruct
+  args = (s((256, 7168), jnp.uint8), s((256, 448), jnp.float8_e8m0fnu),
+          s((512, 7168), jnp.uint8), s((512, 448), jnp.float8_e8m0fnu))
+  fn = functools.partial(gemm.matmul_packed, interpret=False)
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
