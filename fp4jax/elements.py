@@ -1,0 +1,91 @@
+"""Element formats (E2M1, E2M3, E3M2, E4M3, E5M2) and rounding onto their grids.
+
+Rounding works on float32 values with integer operations on the bit pattern:
+the grid spacing of the element format at a value v is
+ulp(v) = 2^(max(floor(log2 |v|), emin) - mbits), a power of two built from
+v's exponent field, so v * (1 / ulp) and the multiply back are exact.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFormat:
+  """A small float format without infinities (all OCP MX element types)."""
+  name: str
+  ebits: int
+  mbits: int
+  bias: int
+  max: float  # largest finite magnitude
+  dtype: type  # JAX storage dtype (a container when JAX lacks the type)
+
+  @property
+  def emax(self) -> int:
+    """Exponent of the largest binade: floor(log2(max))."""
+    return int(np.floor(np.log2(self.max)))
+
+  @property
+  def emin(self) -> int:
+    """Exponent of the smallest normal binade (1 - bias)."""
+    return 1 - self.bias
+
+
+# XLA in jax 0.10 cannot convert to float6 types, so MXFP6 values are stored in
+# float8_e4m3fn, which holds every E2M3 and E3M2 value exactly.
+ELEMENTS = {
+    "e2m1": ElementFormat("e2m1", 2, 1, 1, 6.0, jnp.float4_e2m1fn),
+    "e2m3": ElementFormat("e2m3", 2, 3, 1, 7.5, jnp.float8_e4m3fn),
+    "e3m2": ElementFormat("e3m2", 3, 2, 3, 28.0, jnp.float8_e4m3fn),
+    "e4m3": ElementFormat("e4m3", 4, 3, 7, 448.0, jnp.float8_e4m3fn),
+    "e5m2": ElementFormat("e5m2", 5, 2, 15, 57344.0, jnp.float8_e5m2),
+}
+
+
+def _pow2(biased_exp):
+  """2^(biased_exp - 127) as float32, for int32 biased exponents in [1, 254]."""
+  return lax.bitcast_convert_type(biased_exp << 23, jnp.float32)
+
+
+def round_half_even(t):
+  """Rounds float32 `t` to the nearest integer, ties to even, keeping -0.
+
+  Written with floor and compares because Pallas' Triton lowering has no
+  `round`; bit-identical to jnp.round on XLA.
+  """
+  fl = jnp.floor(t)
+  frac = t - fl
+  odd = fl - 2.0 * jnp.floor(fl * 0.5)
+  up = (frac > 0.5) | ((frac == 0.5) & (odd == 1.0))
+  r = fl + up.astype(t.dtype)
+  sign = lax.bitcast_convert_type(t, jnp.int32) & jnp.int32(-2**31)
+  return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(r, jnp.int32) | sign, jnp.float32)
+
+
+def round_element(v, elem: ElementFormat, random_bits=None):
+  """Rounds float32 `v` onto `elem`'s grid, saturating at +-elem.max.
+
+  random_bits None: round to nearest, ties to even. Otherwise a uint32 array of
+  v's shape: stochastic rounding, up with probability equal to the distance
+  from the grid point below in ulps, drawn as u = (bits >> 8) / 2^24 < frac
+  (unbiased whenever frac is a multiple of 2^-24, i.e. always in the normal
+  range of the element format). NaN stays NaN; +-Inf saturates.
+  """
+  m = elem.mbits
+  exp_v = (lax.bitcast_convert_type(v, jnp.int32) >> 23) & 0xFF
+  exp_v = jnp.clip(exp_v, elem.emin + 127, 254)
+  inv_ulp = _pow2(254 + m - exp_v)
+  ulp = _pow2(exp_v - m)
+  t = v * inv_ulp
+  if random_bits is None:
+    r = round_half_even(t)
+  else:
+    fl = jnp.floor(t)
+    u = (random_bits >> 8).astype(jnp.int32).astype(jnp.float32) * 2.0**-24
+    r = fl + (u < t - fl).astype(jnp.float32)
+  return jnp.clip(r * ulp, -elem.max, elem.max)
+

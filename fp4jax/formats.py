@@ -1,0 +1,352 @@
+"""Block-scaled low-precision formats: MX (OCP v1.0), NVFP4 and FP8.
+
+A tensor is cut into blocks of `block` consecutive elements along one axis
+(the whole tensor for per-tensor FP8); each block shares a scale and its
+elements are rounded onto a small float grid:
+
+  mx*     E8M0 scale 2^e per block, e from a scale rule (fp4jax.scales)
+  nvfp4   E4M3 scale per 16-block, (block amax / 6) / global_scale rounded
+          to nearest E4M3, times an FP32 per-tensor global_scale
+          amax / (6*448) (amax over finite values; 1 if that is 0)
+  fp8_*   FP32 scale amax / max per tensor (or per block if block_size is set)
+
+A block whose scale is zero (all zeros, or a scale below the scale format's
+range) quantizes to zeros.
+
+(Divisions by constants c are computed as x * float32(1/c); elements are x
+divided by the scale, exactly for MX's powers of two.)
+
+Dequantization is (values * scales) * global_scale, in float32. Blocks whose
+amax is NaN or Inf get a NaN scale and dequantize to NaN; all-zero blocks give
+zeros. Arithmetic follows the backend: XLA:CPU flushes FP32 subnormals to zero
+(inputs and results), so there FP32-subnormal inputs, and blocks with scale
+2^-127, dequantize to zero; the E8M0 bits are exact on every backend.
+
+stochastic_dither (Tseng et al. 2025): elements are x / scale * 3/4, rounded
+stochastically, which never saturates; "scaled back" means the 4/3 is carried
+in `global_scale` (E8M0 cannot hold it) and applied in float32 at
+dequantization (a GEMM applies it in its epilogue, 16/9 for two such
+operands). Then E[dequantize] = x up to the float32 rounding of x * 3/4 and
+of 4/3 (relative 2^-24).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp4jax import scales as scales_lib
+from fp4jax.elements import ELEMENTS, ElementFormat, round_element
+from fp4jax.scales import block_exponent  # public building block
+
+# name -> (family, element, default block)
+_FORMATS = {
+    "mxfp4": ("mx", "e2m1", 32),
+    "mxfp6_e2m3": ("mx", "e2m3", 32),
+    "mxfp6_e3m2": ("mx", "e3m2", 32),
+    "mxfp8_e4m3": ("mx", "e4m3", 32),
+    "mxfp8_e5m2": ("mx", "e5m2", 32),
+    "nvfp4": ("nvfp4", "e2m1", 16),
+    "fp8_e4m3": ("fp8", "e4m3", None),
+    "fp8_e5m2": ("fp8", "e5m2", None),
+}
+FORMATS = tuple(_FORMATS)
+SCALE_MODES = ("floor", "ceil", "even", "rceil")
+ROUNDINGS = ("nearest", "stochastic", "stochastic_dither")
+NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # E2M1 max * E4M3 max
+
+
+def _check_name(kind, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """How to quantize one operand.
+
+  fmt: one of FORMATS. block_size: elements per scale (None: 32 for MX, 16 for
+  NVFP4, whole tensor for FP8). scale_mode: E8M0 rule, MX only (one of
+  SCALE_MODES). rounding: one of ROUNDINGS.
+  """
+  fmt: str
+  block_size: int | None = None
+  scale_mode: str = "floor"
+  rounding: str = "nearest"
+
+  def __post_init__(self):
+    _check_name("format", self.fmt, FORMATS)
+    _check_name("scale_mode", self.scale_mode, SCALE_MODES)
+    _check_name("rounding", self.rounding, ROUNDINGS)
+    if self.block_size is not None:
+      if isinstance(self.block_size, bool) or not isinstance(self.block_size,
+                                                             int):
+        raise TypeError(f"block_size must be an int or None, got "
+                        f"{self.block_size!r}")
+      if self.block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {self.block_size}")
+    if self.family != "mx" and self.scale_mode != "floor":
+      raise ValueError(f"scale_mode={self.scale_mode!r} applies to MX formats "
+                       f"(E8M0 scales) only; {self.fmt} scales are not E8M0")
+
+  @property
+  def family(self) -> str:
+    """'mx', 'nvfp4' or 'fp8'."""
+    return _FORMATS[self.fmt][0]
+
+  @property
+  def element(self) -> ElementFormat:
+    return ELEMENTS[_FORMATS[self.fmt][1]]
+
+  @property
+  def block(self) -> int | None:
+    """Resolved block size; None means one scale for the whole tensor."""
+    return self.block_size if self.block_size is not None else _FORMATS[
+        self.fmt][2]
+
+  @property
+  def is_random(self) -> bool:
+    return self.rounding != "nearest"
+
+  @property
+  def element_dtype(self):
+    """Storage dtype of QArray.values (float8_e4m3fn holds MXFP6 values)."""
+    return self.element.dtype
+
+  @property
+  def element_max(self) -> float:
+    return self.element.max
+
+  @property
+  def scale_dtype(self):
+    return {"mx": jnp.float8_e8m0fnu, "nvfp4": jnp.float8_e4m3fn,
+            "fp8": jnp.float32}[self.family]
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["values", "scales", "global_scale"],
+                   meta_fields=["spec", "axis"])
+@dataclasses.dataclass(frozen=True)
+class QArray:
+  """A quantized array.
+
+  values: x.shape, spec.element_dtype. scales: x.shape with `axis` replaced by
+  ceil(n / block) (shape () for per-tensor FP8), spec.scale_dtype.
+  global_scale: float32 scalar (NVFP4 per-tensor scale, times 4/3 for
+  stochastic_dither) or None. axis: the blocked axis (non-negative).
+  """
+  values: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array | None
+  spec: QuantSpec
+  axis: int
+
+  def dequantize(self, dtype=jnp.float32):
+    """(values * scales) * global_scale as `dtype`, shape values.shape."""
+    q = self.values.astype(jnp.float32)
+    n = q.shape[self.axis] if q.ndim else 1
+    if self.spec.family == "mx":
+      s = scales_lib.exp2(scales_lib.from_e8m0(self.scales))
+    else:
+      s = self.scales.astype(jnp.float32)
+    block = self.spec.block
+    if block is None:
+      y = q * s
+    else:
+      qb, _ = _to_blocks(q, self.axis, block)
+      y = _from_blocks(qb * jnp.expand_dims(s, self.axis + 1), self.axis, n)
+    if self.global_scale is not None:
+      y = y * self.global_scale
+    return y.astype(dtype)
+
+
+def _to_blocks(x, axis, block):
+  """Pads `axis` to a multiple of block with zeros and splits it in place:
+  [..., n, ...] -> [..., n_blocks, block, ...]. Returns (blocks, n)."""
+  n = x.shape[axis]
+  pad = -n % block
+  if pad:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    x = jnp.pad(x, widths)
+  shape = x.shape[:axis] + ((n + pad) // block, block) + x.shape[axis + 1:]
+  return x.reshape(shape), n
+
+
+def _from_blocks(xb, axis, n):
+  """Inverse of _to_blocks: merges axes (axis, axis+1) and trims to n."""
+  shape = xb.shape[:axis] + (xb.shape[axis] * xb.shape[axis + 1],)
+  x = xb.reshape(shape + xb.shape[axis + 2:])
+  return lax.slice_in_dim(x, 0, n, axis=axis) if x.shape[axis] != n else x
+
+
+def _check_input(x, spec, axis, key):
+  if not isinstance(spec, QuantSpec):
+    raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"can only quantize real floating arrays, got dtype "
+                    f"{dtype}")
+  ndim = jnp.ndim(x)
+  if spec.block is not None:
+    if not -ndim <= axis < ndim:
+      raise ValueError(f"axis {axis} out of range for an array of rank {ndim}")
+    axis %= ndim
+  if spec.is_random and key is None:
+    raise ValueError(f"rounding={spec.rounding!r} needs a PRNG key; got None")
+  return axis
+
+
+def block_amax(xb, axis):
+  """max |x| over `axis` (all axes if None), keepdims, via the integer max of
+  the magnitude bits: NaN (bits above Inf) always wins, which XLA:CPU's float
+  max reduction does not guarantee, and FP32 subnormals are kept exactly."""
+  mag = lax.bitcast_convert_type(jnp.abs(xb), jnp.int32)
+  return lax.bitcast_convert_type(jnp.max(mag, axis=axis, keepdims=True),
+                                  jnp.float32)
+
+
+def _recip(c):
+  """float32 1/c. Constant divisors are written as this product because XLA
+  rewrites x / c into x * (1/c) anyway; spelling it out keeps the definition
+  the same on every backend and in the NumPy reference."""
+  return jnp.float32(1.0 / c)
+
+
+def _element_values(x, spec, axis, key):
+  """Core of quantize/fake_quantize on float32 x.
+
+  Returns (q, s, stored_scales, global_scale, n): q the rounded elements
+  (float32, blocked when spec.block is set), s the float32 block scales
+  broadcastable against q, stored_scales s in spec.scale_dtype (blocks axis
+  squeezed), global_scale float32 scalar or None, n the original axis length.
+  """
+  block = spec.block
+  if block is None:
+    xb, n, red = x, None, None
+  else:
+    xb, n = _to_blocks(x, axis, block)
+    red = axis + 1
+  amax = block_amax(xb, red)
+  g = None
+  if spec.family == "mx":
+    e = block_exponent(amax, spec)
+    s = scales_lib.exp2(e)
+    inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
+    v = xb * inv
+    stored = scales_lib.to_e8m0(e)
+  elif spec.family == "nvfp4":
+    finite = jnp.isfinite(amax)
+    g_amax = jnp.max(jnp.where(finite, amax, 0.0))
+    g = g_amax * _recip(NVFP4_GLOBAL_DIVISOR)
+    g = jnp.where(g > 0, g, 1.0)  # all-zero tensor, or underflow
+    s = round_element(amax * _recip(spec.element.max) / g, ELEMENTS["e4m3"])
+    s = jnp.where(finite, s, jnp.nan)
+    d = s * g
+    v = xb / jnp.where(d == 0, jnp.inf, d)
+    stored = s.astype(jnp.float8_e4m3fn)
+  else:  # fp8: float32 scale amax / max
+    s = jnp.where(jnp.isfinite(amax), amax * _recip(spec.element.max), jnp.nan)
+    v = xb / jnp.where(s == 0, jnp.inf, s)  # zero (or underflowed) scale -> 0
+    stored = s
+  if block is not None:
+    stored = jnp.squeeze(stored, red)
+  else:
+    stored = stored.reshape(())
+  bits = None
+  if spec.is_random:
+    bits = jax.random.bits(key, v.shape, jnp.uint32)
+  if spec.rounding == "stochastic_dither":
+    v = v * 0.75
+    g = jnp.float32(4.0 / 3.0) * (1.0 if g is None else g)
+  q = round_element(v, spec.element, bits)
+  return q, s, stored, g, n
+
+
+def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
+  """Quantizes x (any float dtype) along `axis` (ignored for per-tensor FP8).
+
+  key: PRNG key for random roundings (the same key gives the same bits);
+  ignored for nearest.
+  """
+  axis = _check_input(x, spec, axis, key)
+  q, _, stored, g, n = _element_values(
+      jnp.asarray(x).astype(jnp.float32), spec, axis, key)
+  if n is not None:
+    q = _from_blocks(q, axis, n)
+  return QArray(q.astype(spec.element_dtype), stored, g, spec,
+                axis if spec.block is not None else 0)
+
+
+def _fake_quantize(x, spec, axis, key):
+  q, s, _, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
+  y = q * s
+  if g is not None:
+    y = y * g
+  if n is not None:
+    y = _from_blocks(y, axis, n)
+  return y.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_quantize_ste(x, spec, axis, key):
+  return _fake_quantize(x, spec, axis, key)
+
+
+def _ste_fwd(x, spec, axis, key):
+  return _fake_quantize(x, spec, axis, key), None
+
+
+def _ste_bwd(spec, axis, _, g):
+  del spec, axis
+  return g, None
+
+
+_fake_quantize_ste.defvjp(_ste_fwd, _ste_bwd)
+
+
+def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
+  """quantize(x, spec, axis, key).dequantize(x.dtype), bit for bit, computed
+  in float32 without leaving x's layout; straight-through gradient."""
+  axis = _check_input(x, spec, axis, key)
+  return _fake_quantize_ste(jnp.asarray(x), spec, axis, key)
+
+
+def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):
+  """Rounds float32 values (already divided by their scale) onto the element
+  grid of `spec`: nearest-even, saturating; or, for random roundings,
+  stochastically from uint32 `random_bits` of the same shape."""
+  if spec.is_random != (random_bits is not None):
+    raise ValueError(f"rounding={spec.rounding!r} "
+                     + ("needs" if spec.is_random else "takes no")
+                     + " random_bits")
+  return round_element(x_scaled, spec.element, random_bits)
+
+
+def pack_fp4(values, axis=-1):
+  """float4_e2m1fn [..., n, ...] -> uint8 [..., n/2, ...]; element 2i in the
+  low nibble, 2i+1 in the high nibble."""
+  if values.dtype != jnp.float4_e2m1fn:
+    raise TypeError(f"pack_fp4 takes float4_e2m1fn values, got {values.dtype}")
+  axis %= values.ndim
+  if values.shape[axis] % 2:
+    raise ValueError(f"pack_fp4 needs an even length along axis {axis}, got "
+                     f"{values.shape[axis]}")
+  codes = lax.bitcast_convert_type(values, jnp.uint4).astype(jnp.uint8)
+  pairs, _ = _to_blocks(codes, axis, 2)
+  lo = lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+  hi = lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
+  return lo | (hi << 4)
+
+
+def unpack_fp4(packed, axis=-1):
+  """Inverse of pack_fp4: uint8 [..., m, ...] -> float4_e2m1fn [..., 2m, ...].
+  """
+  if packed.dtype != jnp.uint8:
+    raise TypeError(f"unpack_fp4 takes uint8, got {packed.dtype}")
+  axis %= packed.ndim
+  pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
+  codes = _from_blocks(pairs, axis, 2 * packed.shape[axis])
+  return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)

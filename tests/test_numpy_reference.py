@@ -1,0 +1,92 @@
+"""fp4jax.formats against the independent NumPy reference, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import formats
+from tests import numpy_reference as ref
+
+SHAPES_AXES = [((8, 64), -1), ((64, 24), 0), ((3, 40, 5), 1), ((2, 6, 48), 2),
+               ((100,), 0), ((5, 33), -1)]
+
+
+def _cases():
+  """(fmt, scale_mode) pairs, each with a shape, axis and dtype from a cycle."""
+  cases = []
+  for fmt in formats.FORMATS:
+    modes = formats.SCALE_MODES if fmt.startswith("mx") else ("floor",)
+    for mode in modes:
+      i = len(cases)
+      shape, axis = SHAPES_AXES[i % len(SHAPES_AXES)]
+      dtype = (jnp.float32, jnp.bfloat16)[(i // 3) % 2]
+      cases.append((fmt, mode, shape, axis, dtype))
+  return cases
+
+
+def _data(shape, seed):
+  """Normal data with per-row magnitudes spread over 2^-20..2^20, some zeros,
+  and, in the first block, values at and around the element max."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * 2.0**rng.integers(-20, 20, shape[:1] + (1,) *
+                                                    (len(shape) - 1))
+  x[rng.random(shape) < 0.05] = 0.0
+  return x.astype(np.float32)
+
+
+def _blocked_shape(shape, axis, block):
+  if block is None:
+    return shape
+  axis %= len(shape)
+  nb = -(-shape[axis] // block)
+  return shape[:axis] + (nb, block) + shape[axis + 1:]
+
+
+@pytest.mark.parametrize("fmt,mode,shape,axis,dtype", _cases())
+def test_matches_reference(fmt, mode, shape, axis, dtype):
+  """All three roundings of one (format, scale mode): values, scales,
+  global scale and fake_quantize output equal the reference exactly."""
+  specs = [formats.QuantSpec(fmt, scale_mode=mode, rounding=r)
+           for r in formats.ROUNDINGS]
+  x = jnp.asarray(_data(shape, hash((fmt, mode)) % 2**32), dtype)
+  key = jax.random.key(7)
+  bits_shape = _blocked_shape(shape, axis, specs[0].block)
+
+  @jax.jit
+  def run(x):
+    return [(formats.quantize(x, s, axis, key),
+             formats.fake_quantize(x, s, axis, key)) for s in specs
+           ], jax.random.bits(key, bits_shape, jnp.uint32)
+
+  results, bits = run(x)
+  for spec, (q, y) in zip(specs, results):
+    want = ref.quantize(np.asarray(x), fmt, None, mode, spec.rounding, axis,
+                        np.asarray(bits))
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(want["y"], np.float32))
+    np.testing.assert_array_equal(np.asarray(q.values, np.float64), want["q"])
+    if spec.family == "mx":
+      got_scale = np.asarray(
+          jax.lax.bitcast_convert_type(q.scales, jnp.uint8), np.int64) - 127
+    else:
+      got_scale = np.asarray(q.scales, np.float32)
+    np.testing.assert_array_equal(got_scale, want["scale"])
+    if want["global_scale"] is None:
+      assert q.global_scale is None
+    else:
+      assert np.float32(q.global_scale) == want["global_scale"]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])
+def test_special_blocks_match_reference(fmt):
+  """NaN, Inf, zero and tiny blocks next to ordinary ones."""
+  x = _data((4, 64), 3)
+  x[0, 3] = np.nan
+  x[1, 40] = -np.inf
+  x[2, :32] = 0.0
+  x[3, :16] *= 2.0**-100
+  spec = formats.QuantSpec(fmt, block_size=32 if fmt == "fp8_e5m2" else None)
+  want = ref.quantize(x, fmt, spec.block_size, axis=-1)
+  y = jax.jit(formats.fake_quantize, static_argnums=1)(jnp.asarray(x), spec)
+  np.testing.assert_array_equal(np.asarray(y), want["y"])

@@ -1,0 +1,121 @@
+"""Golden E8M0 codes of the four scale rules on hand-picked block maxima.
+
+Codes are biased exponents (0x7F = 2^0, 0xFF = NaN), worked out by hand from
+the definitions in research.md.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import formats
+from fp4jax import scales
+
+F32_MAX = float(np.finfo(np.float32).max)
+BELOW_8 = float(np.nextafter(np.float32(8.0), np.float32(0.0)))
+
+# (fmt, amax, {mode: code}); modes in the order floor, ceil, even, rceil.
+GOLDEN = [
+    # E2M1: emax 2, max 6 = 1.5 * 2^2, 1 mantissa bit.
+    ("mxfp4", 4.0, (0x7F, 0x7F, 0x7F, 0x7F)),       # exact power of two
+    ("mxfp4", 6.0, (0x7F, 0x80, 0x7F, 0x7F)),       # = max
+    ("mxfp4", 6.5, (0x7F, 0x80, 0x7F, 0x80)),       # 1.625: rceil goes up
+    ("mxfp4", 7.0, (0x7F, 0x80, 0x80, 0x80)),       # significand 1.75
+    ("mxfp4", BELOW_8, (0x7F, 0x80, 0x80, 0x80)),   # just below 2^3
+    ("mxfp4", 1.0, (0x7D, 0x7D, 0x7D, 0x7D)),
+    ("mxfp4", 1.5, (0x7D, 0x7E, 0x7D, 0x7D)),       # 1.5/6 = 2^-2 exactly
+    ("mxfp4", 0.0, (0x00, 0x00, 0x00, 0x00)),       # zero block
+    ("mxfp4", 1e-40, (0x00, 0x00, 0x00, 0x00)),     # FP32 subnormal
+    ("mxfp4", 2.0**-149, (0x00, 0x00, 0x00, 0x00)),  # smallest subnormal
+    ("mxfp4", 2.0**-126, (0x00, 0x00, 0x00, 0x00)),  # saturates at 2^-127
+    ("mxfp4", 1.75 * 2.0**-125, (0x00, 0x01, 0x01, 0x01)),
+    ("mxfp4", 2.0**-124, (0x01, 0x01, 0x01, 0x01)),
+    ("mxfp4", 2.0**127, (0xFC, 0xFC, 0xFC, 0xFC)),   # near the top
+    ("mxfp4", F32_MAX, (0xFC, 0xFD, 0xFD, 0xFD)),
+    ("mxfp4", float("nan"), (0xFF, 0xFF, 0xFF, 0xFF)),
+    ("mxfp4", float("inf"), (0xFF, 0xFF, 0xFF, 0xFF)),
+    # E4M3: emax 8, max 448 = 1.75 * 2^8, 3 mantissa bits.
+    ("mxfp8_e4m3", 448.0, (0x7F, 0x80, 0x7F, 0x7F)),
+    ("mxfp8_e4m3", 480.0, (0x7F, 0x80, 0x7F, 0x80)),  # 1.875 fits 3 bits
+    ("mxfp8_e4m3", 496.0, (0x7F, 0x80, 0x80, 0x80)),  # 1.9375: tie -> 2
+    ("mxfp8_e4m3", 256.0, (0x7F, 0x7F, 0x7F, 0x7F)),
+    ("mxfp8_e4m3", 1e-40, (0x00, 0x00, 0x00, 0x00)),
+    # E5M2: emax 15, max 57344 = 1.75 * 2^15, 2 mantissa bits.
+    ("mxfp8_e5m2", 57344.0, (0x7F, 0x80, 0x7F, 0x7F)),
+    ("mxfp8_e5m2", 61440.0, (0x7F, 0x80, 0x80, 0x80)),  # 1.875: tie -> 2
+    ("mxfp8_e5m2", 1.0, (0x70, 0x70, 0x70, 0x70)),
+    # E2M3: emax 2, max 7.5 = 1.875 * 2^2, 3 mantissa bits.
+    ("mxfp6_e2m3", 7.5, (0x7F, 0x80, 0x7F, 0x7F)),
+    ("mxfp6_e2m3", 7.75, (0x7F, 0x80, 0x80, 0x80)),
+    # E3M2: emax 4, max 28 = 1.75 * 2^4, 2 mantissa bits.
+    ("mxfp6_e3m2", 28.0, (0x7F, 0x80, 0x7F, 0x7F)),
+    ("mxfp6_e3m2", 30.0, (0x7F, 0x80, 0x80, 0x80)),
+]
+
+
+MODES = list(enumerate(formats.SCALE_MODES))
+
+
+def _codes(e):
+  return np.asarray(scales.to_e8m0(e).view(jnp.uint8)).tolist()
+
+
+@pytest.mark.parametrize("fmt", sorted({g[0] for g in GOLDEN}))
+@pytest.mark.parametrize("mode_index,mode", MODES)
+def test_block_exponent_golden(fmt, mode_index, mode):
+  rows = [g for g in GOLDEN if g[0] == fmt]
+  amax = jnp.asarray([r[1] for r in rows], jnp.float32)
+  spec = formats.QuantSpec(fmt, scale_mode=mode)
+  got = _codes(formats.block_exponent(amax, spec))
+  want = [r[2][mode_index] for r in rows]
+  assert got == want, [(r[1], g, w) for r, g, w in zip(rows, got, want)
+                       if g != w]
+
+
+@pytest.mark.parametrize("mode_index,mode", MODES)
+def test_quantize_scales_golden(mode_index, mode):
+  """quantize puts the same codes in QArray.scales: each golden amax becomes
+  the largest magnitude of its own 32-block (with a negative sign)."""
+  rows = [g for g in GOLDEN if g[0] == "mxfp4"]
+  x = np.zeros((len(rows), 32), np.float32)
+  for i, r in enumerate(rows):
+    x[i, 5] = -r[1]
+    x[i, 6] = r[1] / 3 if np.isfinite(r[1]) else 1.0
+  q = formats.quantize(jnp.asarray(x), formats.QuantSpec("mxfp4",
+                                                         scale_mode=mode))
+  got = np.asarray(q.scales.view(jnp.uint8))[:, 0].tolist()
+  assert got == [r[2][mode_index] for r in rows]
+
+
+def test_special_blocks_dequantize():
+  """NaN/Inf block -> all NaN; zero block -> zeros; others untouched."""
+  x = np.ones((4, 32), np.float32)
+  x[0, 3] = np.nan
+  x[1, 7] = -np.inf
+  x[2] = 0.0
+  ys = jax.jit(lambda x: [formats.fake_quantize(
+      x, formats.QuantSpec("mxfp4", scale_mode=m))
+                           for m in formats.SCALE_MODES])(jnp.asarray(x))
+  for y in map(np.asarray, ys):
+    assert np.isnan(y[:2]).all()
+    np.testing.assert_array_equal(y[2], 0.0)
+    np.testing.assert_array_equal(y[3], 1.0)
+
+
+def test_subnormal_inputs():
+  """A block of FP32 subnormals gets scale 2^-127 and finite output.
+
+  The element values follow the backend: exact where subnormals are kept,
+  zero where XLA flushes them (CPU)."""
+  x = jnp.full((32,), 3e-39, jnp.float32).at[0].set(-1e-40)
+  spec = formats.QuantSpec("mxfp8_e5m2")
+  q, y = jax.jit(lambda x: (formats.quantize(x, spec),
+                            formats.fake_quantize(x, spec)))(x)
+  assert int(q.scales.view(jnp.uint8)[0]) == 0
+  y = np.asarray(y)
+  flushes = float(jax.jit(lambda a: a * 2.0)(jnp.float32(1e-40))) == 0.0
+  if flushes:
+    np.testing.assert_array_equal(y, 0.0)
+  else:
+    np.testing.assert_allclose(y, np.asarray(x), rtol=2**-2)
