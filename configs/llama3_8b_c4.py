@@ -1,0 +1,48 @@
+"""MLPerf Llama 3.1-8B pretraining on C4 (the paper's setting, research.md).
+
+  python train.py --config=configs/llama3_8b_c4.py --workdir=runs/llama8b \\
+      --config.data.path='/data/c4/en/c4-train.*-of-01024.json.gz' \\
+      --config.data.val_path='/data/c4/en/c4-validation.*.json.gz' \\
+      --config.data.tokenizer=/models/Llama-3.1-8B/tokenizer.json
+
+Global batch 32 x 8192 tokens, AdamW (0.9, 0.95, eps 1e-5, wd 0.1), peak lr
+8e-4 with 64 warm-up steps and cosine decay to 8e-5, stop at eval loss 3.3
+(a log-perplexity). The paths below are placeholders; the run fails at start
+with a clear message until they point at real files.
+
+micro_batch is global (sequences per accumulation step over all devices):
+MLPerf's micro-batch of 2 per device on 8 devices is micro_batch=16, i.e. two
+accumulation steps per global batch of 32. Set 2 x (data x fsdp devices).
+Not given by research.md and chosen here: steps (the cosine horizon),
+eval_every, the validation size (eval_batches x eval_batch_size sequences).
+"""
+
+from fp4jax import trainer
+
+
+def get_config():
+  config = trainer.base_config()
+  config.quant.name = "mxfp4-dh16"
+  config.model = trainer.model_template(
+      "llama3.1-8b", scan_layers=True, remat="full")
+  config.dtype = "bfloat16"
+  config.data.source = "files"
+  config.data.path = "/path/to/c4/en/c4-train.*-of-01024.json.gz"
+  config.data.val_path = "/path/to/c4/en/c4-validation.*-of-00008.json.gz"
+  config.data.tokenizer = "/path/to/Llama-3.1-8B/tokenizer.json"
+  config.batch_size = 32
+  config.micro_batch = 16
+  config.seq_len = 8192
+  config.lr = 8e-4
+  config.min_lr_ratio = 0.1
+  config.warmup_steps = 64
+  config.steps = 20_000
+  config.target_eval_loss = 3.3
+  config.eval_every = 384          # every 12,288 sequences
+  config.eval_batches = 64
+  config.eval_batch_size = 16      # 1,024 validation sequences
+  config.checkpoint_every = 500
+  config.keep_checkpoints = 2
+  config.log_every = 10
+  config.max_bad_steps = 10
+  return config

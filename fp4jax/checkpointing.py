@@ -1,0 +1,93 @@
+"""Checkpoints of a training run with orbax: save, keep the last few, restore.
+
+A checkpoint holds two items: `state` (the TrainState pytree, saved sharded)
+and `data` (the data iterator's JSON state). A checkpoint that cannot be read
+is moved aside to `<directory>/../checkpoints_corrupt/<step>` with a warning
+and the previous one is tried, so a run killed while writing, or a damaged
+disk, costs at most one checkpoint interval.
+"""
+
+import logging
+import os
+import shutil
+
+import orbax.checkpoint as ocp
+
+_ITEMS = ("state", "data")
+
+
+class Checkpoints:
+  """A directory of step-numbered checkpoints, the last `keep` of them kept."""
+
+  def __init__(self, directory, *, keep, async_save=True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        create=True)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options, item_names=_ITEMS)
+
+  def steps(self):
+    """Committed checkpoint steps, oldest first."""
+    return sorted(self._manager.all_steps())
+
+  def save(self, step, state, data_state):
+    """Starts saving `state` and the iterator's `data_state` as `step`.
+
+    A step already on disk is left as it is (a resumed run that ends where it
+    started saves nothing new).
+    """
+    if step in self._manager.all_steps():
+      return
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state)),
+        force=True)
+
+  def restore_latest(self, abstract_state):
+    """Returns (step, state, data_state) of the newest readable checkpoint.
+
+    `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings; the
+    state comes back with those shardings (so it may be restored onto another
+    mesh). Returns None when there is no readable checkpoint.
+    """
+    for step in reversed(self.steps()):
+      try:
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore()))
+      except Exception as e:  # pylint: disable=broad-except
+        # Orbax and tensorstore raise many types for unreadable files.
+        self._set_aside(step, e)
+        continue
+      return step, restored["state"], restored["data"]
+    return None
+
+  def _set_aside(self, step, error):
+    """Moves an unreadable checkpoint out of the way, with a warning."""
+    src = os.path.join(self.directory, str(step))
+    dst_dir = os.path.join(os.path.dirname(self.directory),
+                           "checkpoints_corrupt")
+    os.makedirs(dst_dir, exist_ok=True)
+    dst = os.path.join(dst_dir, str(step))
+    if os.path.exists(dst):
+      shutil.rmtree(dst)
+    shutil.move(src, dst)
+    logging.warning(
+        "Checkpoint at step %d could not be read (%s: %s); moved it to %s "
+        "and falling back to the previous checkpoint.", step,
+        type(error).__name__, str(error)[:300], dst)
+    self._manager.reload()
+
+  def wait(self):
+    """Blocks until pending asynchronous saves are committed."""
+    self._manager.wait_until_finished()
+
+  def close(self):
+    self._manager.close()

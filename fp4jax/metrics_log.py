@@ -1,0 +1,107 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard, and a progress line.
+
+Only process 0 writes (`enabled=False` elsewhere). metrics.jsonl holds one
+JSON object per logged step; non-finite floats are written as NaN/Infinity
+(Python's json reads them back).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+
+def read_metrics(workdir):
+  """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_after(path, step):
+  """Drops rows with row["step"] > step (left by a run killed after `step`)."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    rows = [line for line in f if line.strip()]
+  kept = [line for line in rows if json.loads(line)["step"] <= step]
+  with open(path, "w") as f:
+    f.writelines(kept)
+
+
+def _tensorboard_writer(logdir):
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return tensorboardX.SummaryWriter(logdir)
+
+
+class MetricsLog:
+  """Appends metric rows to metrics.jsonl and TensorBoard; prints progress.
+
+  `start_step` is the step the run (re)starts from: rows a killed run wrote
+  after it are dropped so the file describes one consistent history.
+  """
+
+  def __init__(self, workdir, *, total_steps, start_step, enabled=True):
+    self.enabled = enabled
+    self.total_steps = total_steps
+    self._path = os.path.join(workdir, "metrics.jsonl")
+    self._tty = sys.stdout.isatty()
+    self._t0 = time.time()
+    self._start_step = start_step
+    self._tb = None
+    if enabled:
+      _truncate_after(self._path, start_step)
+      self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
+
+  def write(self, row):
+    """Appends one row (a dict with at least "step") and shows progress."""
+    if not self.enabled:
+      return
+    with open(self._path, "a") as f:
+      f.write(json.dumps(row) + "\n")
+    if self._tb is not None:
+      for k, v in row.items():
+        if k != "step" and isinstance(v, (int, float)) and v is not None:
+          self._tb.add_scalar(k, v, row["step"])
+      self._tb.flush()
+    self._progress(row)
+
+  def _progress(self, row):
+    step = row["step"]
+    done = step - self._start_step
+    elapsed = time.time() - self._t0
+    eta = elapsed / done * (self.total_steps - step) if done > 0 else math.nan
+    width = 24
+    filled = int(width * step / max(self.total_steps, 1))
+    parts = [f"[{'#' * filled}{'.' * (width - filled)}] "
+             f"{step}/{self.total_steps}"]
+    for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"),
+                     ("tokens_per_s", ",.0f")):
+      if row.get(key) is not None:
+        parts.append(f"{key} {row[key]:{fmt}}")
+    parts.append(f"ETA {_duration(eta)}")
+    line = "  ".join(parts)
+    if self._tty:
+      sys.stdout.write("\r" + line.ljust(110))
+    else:
+      sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+    if self.enabled and self._tty:
+      sys.stdout.write("\n")
+
+
+def _duration(seconds):
+  if not math.isfinite(seconds):
+    return "?"
+  seconds = int(seconds)
+  return f"{seconds // 60}:{seconds % 60:02d}"

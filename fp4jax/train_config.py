@@ -1,0 +1,166 @@
+"""Configuration of a training run: every key, its defaults and checks.
+
+`base_config()` is what the files under configs/ start from; `resolve`
+turns a config into the model's LlamaConfig and the quantization Recipe;
+`check` rejects bad values of the trainer's own keys. Keys:
+
+  steps, seed                 run length; the one seed everything derives from
+  quant                       recipes.config_template(): quant.name is a preset,
+                              per-role overrides below it
+  model                       model_template(): name (a MODEL_PRESETS key) and
+                              LlamaConfig fields (None = the preset's value;
+                              vocab_size None = the tokenizer's)
+  data                        fp4jax.data.data_config()
+  batch_size                  global sequences per step
+  micro_batch                 global sequences per gradient-accumulation step
+                              (0 = batch_size: no accumulation)
+  seq_len, dtype              tokens per sequence; compute dtype (float32 or
+                              bfloat16; parameters are float32)
+  lr, warmup_steps, min_lr_ratio
+                              linear warm-up to lr, cosine to lr * min_lr_ratio
+  weight_decay, b1, b2, eps, clip
+                              AdamW and global-norm clipping
+  eval_every, eval_batches, eval_batch_size
+                              validation (eval_batch_size 0 = micro_batch)
+  checkpoint_every, keep_checkpoints, async_checkpointing
+  target_eval_loss            None = off; stop when eval_loss <= it
+  max_bad_steps               non-finite steps in a row before stopping
+  log_every                   metrics.jsonl / progress line interval
+  nan_steps                   test hook: steps (from 1) whose loss is made NaN
+  mesh, distributed           fp4jax.sharding.mesh_config(), distributed_config()
+"""
+
+import dataclasses
+import re
+
+import ml_collections
+from ml_collections import config_dict
+
+from fp4jax import data
+from fp4jax import model as model_lib
+from fp4jax import recipes
+from fp4jax import sharding
+
+DTYPES = ("float32", "bfloat16")
+# Model fields the trainer sets itself (dtype from config.dtype).
+_MODEL_FIELDS_SET_BY_TRAINER = ("dtype",)
+
+
+_QUANT_SHORTHAND = re.compile(r"^(--?config\.quant)(=.*)?$")
+
+
+def expand_quant_flag(argv):
+  """Rewrites `--config.quant=NAME` (or `--config.quant NAME`) in a command
+  line to `--config.quant.name=NAME`, for CLIs built on ml_collections.
+
+  config_flags only overrides leaves and `quant` is a ConfigDict; it also
+  reads sys.argv itself, so a CLI must assign the result to sys.argv before
+  absl parses it.
+  """
+  out = []
+  for arg in argv:
+    match = _QUANT_SHORTHAND.match(arg)
+    out.append(match.group(1) + ".name" + (match.group(2) or "")
+               if match else arg)
+  return out
+
+
+def model_template(name="tiny", **overrides):
+  """ConfigDict: `name` (a MODEL_PRESETS key) and a typed None placeholder
+  for every LlamaConfig field (None keeps the preset), so that e.g.
+  `--config.model.n_layers=2` works from the command line.
+
+  vocab_size None means the tokenizer's vocabulary size.
+  """
+  preset = model_lib.MODEL_PRESETS["llama3.1-8b"]
+  cfg = ml_collections.ConfigDict({"name": name})
+  for field in dataclasses.fields(model_lib.LlamaConfig):
+    if field.name in _MODEL_FIELDS_SET_BY_TRAINER:
+      continue
+    example = preset.get(field.name, field.default)
+    cfg[field.name] = config_dict.placeholder(type(example))
+  for key, value in overrides.items():
+    cfg[key] = value
+  return cfg
+
+
+def base_config():
+  """Every trainer key with its default (the tiny CPU model, stdlib, bf16)."""
+  return ml_collections.ConfigDict(dict(
+      steps=1000,
+      seed=0,
+      quant=recipes.config_template("bf16"),
+      model=model_template("tiny"),
+      data=data.data_config(),
+      batch_size=8,            # global, sequences per step
+      micro_batch=0,           # global sequences per accumulation step; 0 = batch_size
+      seq_len=128,
+      dtype="float32",         # compute dtype: float32 or bfloat16
+      lr=3e-3,
+      warmup_steps=100,
+      min_lr_ratio=0.1,
+      weight_decay=0.1,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-5,
+      clip=1.0,
+      eval_every=100,
+      eval_batches=4,
+      eval_batch_size=0,       # global sequences per eval batch; 0 = micro_batch
+      checkpoint_every=500,
+      keep_checkpoints=3,
+      async_checkpointing=True,
+      target_eval_loss=config_dict.placeholder(float),  # None = off
+      max_bad_steps=10,
+      log_every=10,
+      nan_steps=(),            # test hook: steps whose loss is made NaN
+      mesh=sharding.mesh_config(),
+      distributed=sharding.distributed_config(),
+  ))
+
+
+class ConfigError(ValueError):
+  """A config value, name or path that cannot work (raised before training)."""
+
+
+def resolve(config, tokenizer):
+  """(LlamaConfig, Recipe) of `config`; raises ValueError on bad values."""
+  if config.dtype not in DTYPES:
+    raise ValueError(f"dtype {config.dtype!r} is not one of {DTYPES}")
+  overrides = {k: v for k, v in config.model.items()
+               if k != "name" and v is not None}
+  overrides.setdefault("vocab_size", tokenizer.vocab_size)
+  if overrides["vocab_size"] < tokenizer.vocab_size:
+    raise ValueError(
+        f"model.vocab_size {overrides['vocab_size']} is smaller than the "
+        f"tokenizer's vocabulary ({tokenizer.vocab_size})")
+  model_cfg = model_lib.model_config(config.model.name, dtype=config.dtype,
+                                     **overrides)
+  recipe = recipes.from_config(config.quant)
+  if config.quant.compute_dtype is None:
+    recipe = dataclasses.replace(recipe, compute_dtype=config.dtype)
+  return model_cfg, recipe
+
+
+def micro_batch(config):
+  """Global sequences per accumulation step."""
+  return config.micro_batch or config.batch_size
+
+
+def check(config):
+  """Start-up checks of the trainer's own keys (ValueError naming the key)."""
+  positive = ("steps", "batch_size", "seq_len", "eval_every", "eval_batches",
+              "checkpoint_every", "keep_checkpoints", "max_bad_steps",
+              "log_every")
+  for key in positive:
+    if not config[key] >= 1:
+      raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}")
+  if config.micro_batch < 0 or config.batch_size % micro_batch(config):
+    raise ValueError(f"config.micro_batch {config.micro_batch} must divide "
+                     f"batch_size {config.batch_size} (0 = no accumulation)")
+  if not 0 <= config.min_lr_ratio <= 1 or not config.lr > 0:
+    raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr="
+                     f"{config.lr}, min_lr_ratio={config.min_lr_ratio}")
+  if config.warmup_steps < 0:
+    raise ValueError(f"config.warmup_steps must be >= 0, got "
+                     f"{config.warmup_steps}")

@@ -1,0 +1,147 @@
+"""The pieces of one optimisation step: state, optimizer, loss, step, eval.
+
+Everything here is a pure function of its arguments, jitted by the trainer.
+The step accumulates gradients over micro-batches (lax.scan), clips by global
+norm, applies AdamW with a warm-up + cosine schedule, and refuses a step whose
+loss or gradient is not finite: parameters and optimizer state stay as they
+were, and the step is counted in `skipped` and `bad_in_row`.
+"""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a checkpoint needs besides the data iterator.
+
+  step: int32, steps taken (applied or skipped); the next step's key is
+    fold_in(seed_key, step). params: float32 master weights. opt_state: optax
+    state. skipped: int32, non-finite steps not applied so far. bad_in_row:
+    int32, the current run of consecutive non-finite steps.
+  """
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  skipped: jax.Array
+  bad_in_row: jax.Array
+
+
+def lr_schedule(config):
+  """Linear warm-up from 0 to config.lr, cosine to lr * min_lr_ratio at `steps`."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.lr,
+      warmup_steps=config.warmup_steps,
+      decay_steps=max(config.steps, config.warmup_steps + 1),
+      end_value=config.lr * config.min_lr_ratio)
+
+
+def optimizer(config):
+  """Global-norm clipping then AdamW on the schedule (returns tx, schedule)."""
+  schedule = lr_schedule(config)
+  tx = optax.chain(
+      optax.clip_by_global_norm(config.clip),
+      optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                  weight_decay=config.weight_decay))
+  return tx, schedule
+
+
+def init_state(model, tx, key, seq_len):
+  """A fresh TrainState whose params keep their logical-partitioning boxes."""
+  tokens_1xL = jnp.zeros((1, seq_len), jnp.int32)
+  params = model.init({"params": key, "quant": key}, tokens_1xL)["params"]
+  zero = jnp.zeros((), jnp.int32)
+  return TrainState(step=zero, params=params, opt_state=tx.init(params),
+                    skipped=zero, bad_in_row=zero)
+
+
+def loss_fn(model, params, tokens_BxL1, key):
+  """Mean next-token cross-entropy of tokens[:, 1:] given tokens[:, :-1]."""
+  logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1],
+                             rngs={"quant": key})
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxLxV, tokens_BxL1[:, 1:]).mean()
+
+
+def _micro_batches(tokens_BxL1, n):
+  """[B, L+1] -> [n, B/n, L+1], micro-batch i = rows i, i+n, i+2n, ...
+
+  Taking every n-th row keeps each micro-batch spread over all the devices
+  that hold the batch, so accumulation needs no resharding.
+  """
+  b, length = tokens_BxL1.shape
+  x_NxMxL1 = tokens_BxL1.reshape(b // n, n, length).swapaxes(0, 1)
+  return nn.with_logical_constraint(
+      x_NxMxL1, (None, "activation_batch", "activation_length"))
+
+
+def make_train_step(model, tx, schedule, *, seed_key, n_micro,
+                    nan_steps=()):
+  """Returns step(state, tokens_BxL1) -> (state, metrics).
+
+  metrics: loss, grad_norm, lr (the rate this step's update used), skipped,
+  bad_in_row. nan_steps: a test hook; the loss of these steps
+  (numbered from 1, as in metrics.jsonl) is multiplied by NaN (empty in real
+  runs, and then not traced at all).
+  """
+  nan_steps = jnp.asarray(tuple(nan_steps), jnp.int32)
+
+  def step_loss(params, tokens_BxL1, key, step):
+    loss = loss_fn(model, params, tokens_BxL1, key)
+    if nan_steps.size:
+      loss = loss * jnp.where(jnp.isin(step + 1, nan_steps), jnp.nan, 1.0)
+    return loss
+
+  grad_fn = jax.value_and_grad(step_loss)
+
+  def step(state, tokens_BxL1):
+    step_key = jax.random.fold_in(seed_key, state.step)
+    if n_micro == 1:
+      loss, grads = grad_fn(state.params, tokens_BxL1, step_key, state.step)
+    else:
+      def accumulate(carry, xs):
+        i, tokens = xs
+        out = grad_fn(state.params, tokens, jax.random.fold_in(step_key, i),
+                      state.step)
+        return jax.tree.map(jnp.add, carry, out), None
+
+      zero = (jnp.zeros((), jnp.float32),
+              jax.tree.map(jnp.zeros_like, state.params))
+      xs = (jnp.arange(n_micro), _micro_batches(tokens_BxL1, n_micro))
+      (loss, grads), _ = jax.lax.scan(accumulate, zero, xs)
+      loss, grads = jax.tree.map(lambda x: x / n_micro, (loss, grads))
+
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    bad_in_row = jnp.where(ok, 0, state.bad_in_row + 1)
+    new_state = TrainState(
+        step=state.step + 1,
+        params=jax.tree.map(keep, params, state.params),
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+        skipped=state.skipped + (~ok).astype(jnp.int32),
+        bad_in_row=bad_in_row)
+    metrics = dict(loss=loss, grad_norm=grad_norm,
+                   lr=schedule(state.step - state.skipped),
+                   skipped=new_state.skipped, bad_in_row=bad_in_row)
+    return new_state, metrics
+
+  return step
+
+
+def make_eval_step(model, eval_key):
+  """Returns eval_loss(params, tokens_BxL1, index) -> mean cross-entropy.
+
+  Random recipes draw fold_in(eval_key, index): the same keys every eval.
+  """
+  def eval_loss(params, tokens_BxL1, index):
+    return loss_fn(model, params, tokens_BxL1,
+                   jax.random.fold_in(eval_key, index))
+  return eval_loss

@@ -1,0 +1,356 @@
+"""The training program: config -> sharded state -> steps, evals, checkpoints.
+
+`train(config, workdir, callbacks=())` runs (or resumes) one run and returns
+its closing summary. The config keys are listed in fp4jax.train_config
+(`base_config()`, re-exported here, is what configs/ start from).
+
+Randomness: one seed. seed_key = jax.random.key(seed); the parameters come
+from split(seed_key)[0], evaluation of random recipes from split(seed_key)[1],
+step s of the recipe from fold_in(seed_key, s) (micro-batch i: fold_in of that
+with i), and the data order from `seed` through fp4jax.data. Nothing else is
+random, so a run (and a resumed run) is bitwise reproducible on CPU.
+
+Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
+checkpoints/<step>/, summary.json. A workdir that holds a checkpoint resumes
+from its newest readable one.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+
+from fp4jax import data
+from fp4jax import model as model_lib
+from fp4jax import sharding
+from fp4jax import train_step
+from fp4jax.checkpointing import Checkpoints
+from fp4jax.metrics_log import MetricsLog
+# Re-exported: configs and CLIs use trainer.base_config() etc.
+from fp4jax.train_config import ConfigError  # pylint: disable=unused-import
+from fp4jax.train_config import base_config  # pylint: disable=unused-import
+from fp4jax.train_config import check
+from fp4jax.train_config import expand_quant_flag  # pylint: disable=unused-import
+from fp4jax.train_config import micro_batch as _micro_batch
+from fp4jax.train_config import model_template  # pylint: disable=unused-import
+from fp4jax.train_config import resolve
+
+def _start(config):
+  """Checks the config and opens the data; any bad value -> ConfigError.
+
+  Returns (LlamaConfig, Recipe, mesh, train iterator, local validation
+  batches).
+  """
+  try:
+    check(config)
+    tokenizer = data.make_tokenizer(config.data.tokenizer)
+    model_cfg, recipe = resolve(config, tokenizer)
+    mesh = sharding.make_mesh(config.mesh)
+    micro_batch = _micro_batch(config)
+    sharding.check_blocks(model_cfg, recipe, mesh, micro_batch=micro_batch,
+                          seq_len=config.seq_len)
+    procs = dict(process_index=jax.process_index(),
+                 process_count=jax.process_count())
+    batches = data.train_iterator(
+        config.data, tokenizer, seq_len=config.seq_len,
+        global_batch=config.batch_size, seed=config.seed, **procs)
+    val_local = data.validation_batches(
+        config.data, tokenizer, seq_len=config.seq_len,
+        batch_size=config.eval_batch_size or micro_batch,
+        num_batches=config.eval_batches, **procs)
+  except (ValueError, FileNotFoundError, ImportError) as e:
+    raise ConfigError(f"bad config: {e}") from e
+  return model_cfg, recipe, mesh, batches, val_local
+
+
+def _json_default(x):
+  if isinstance(x, (np.generic, jax.Array)):
+    return np.asarray(x).tolist()
+  if isinstance(x, tuple):
+    return list(x)
+  return str(x)
+
+
+def _write_json(path, obj):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, default=_json_default)
+  os.replace(tmp, path)
+
+
+class _StopSignals:
+  """SIGTERM/SIGINT set a flag (a second one interrupts at once)."""
+
+  def __init__(self):
+    self.received = None
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals alone
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    if self.received is not None:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+    print(f"\n{self.received} received: saving a checkpoint at the end of "
+          "this step, then stopping.", flush=True)
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+_OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
+                   "weight_decay", "b1", "b2", "eps", "clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  """The jitted functions of one run and the shardings they use."""
+  init: Any             # params_key -> TrainState
+  step: Any             # (state, tokens_BxL1) -> (state, metrics)
+  eval: Any             # (params, tokens_BxL1, index) -> loss
+  abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
+  params_key: Any
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
+              seq_len, mesh):
+  """Builds (and caches) the jitted init, step and eval of a run.
+
+  Runs in one process that differ only in data, evaluation, checkpointing or
+  stopping share these, so they compile once (tests and sweeps rely on it).
+  Parameters and optimizer state are created directly sharded: init is
+  jitted with out_shardings from the model's logical axis names.
+  """
+  model = model_lib.Llama(model_cfg, recipe)
+  tx, schedule = train_step.optimizer(
+      ml_collections.ConfigDict(dict(optimizer_items)))
+  seed_key = jax.random.key(seed)
+  params_key, eval_key = jax.random.split(seed_key)
+  init = lambda key: train_step.init_state(model, tx, key, seq_len)
+  boxed = jax.eval_shape(init, params_key)
+  state_shardings = sharding.logical_to_sharding(boxed, mesh)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.unbox(boxed), state_shardings)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sharding = sharding.batch_sharding(mesh)
+  step = train_step.make_train_step(
+      model, tx, schedule, seed_key=seed_key, n_micro=n_micro,
+      nan_steps=nan_steps)
+  return _Programs(
+      init=jax.jit(lambda key: nn.unbox(init(key)),
+                   out_shardings=state_shardings),
+      step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, replicated),
+                   donate_argnums=0),
+      eval=jax.jit(train_step.make_eval_step(model, eval_key),
+                   in_shardings=(state_shardings.params, batch_sharding, None),
+                   out_shardings=replicated),
+      abstract=abstract, params_key=params_key)
+
+
+def _data_states(batches):
+  """{"processes": [iterator state of process 0, 1, ...]} (JSON-ready).
+
+  Each process reads its own rows, so each has its own state; they are
+  gathered so that the checkpoint (written by process 0) holds them all.
+  """
+  state = batches.get_state()
+  if jax.process_count() == 1:
+    return {"processes": [state]}
+  raw = np.frombuffer(json.dumps(state).encode(), np.uint8)
+  size = int(np.max(multihost_utils.process_allgather(np.int32(raw.size))))
+  padded = np.zeros(size, np.uint8)
+  padded[:raw.size] = raw
+  rows = multihost_utils.process_allgather(padded)  # [processes, size]
+  return {"processes": [json.loads(bytes(r).rstrip(b"\0")) for r in rows]}
+
+
+def _restore_data_state(batches, saved):
+  states = saved["processes"]
+  if len(states) != jax.process_count():
+    raise ConfigError(
+        f"the checkpoint's data iterator was saved by {len(states)} "
+        f"processes; resuming it with {jax.process_count()} is not supported")
+  batches.set_state(states[jax.process_index()])
+
+
+def _evaluate(eval_fn, params, val_batches):
+  losses = [eval_fn(params, b, i) for i, b in enumerate(val_batches)]
+  return float(np.mean(jax.device_get(losses)))
+
+
+def train(config, workdir, callbacks=()):
+  """Trains (or resumes) the run `config` in `workdir`; returns the summary.
+
+  callbacks: each is called as cb(step, state, batch) after every step
+  (state: the TrainState after it, donated to the next step, so copy what you
+  keep; batch: the global token array [batch_size, seq_len + 1]); a returned
+  dict is merged into that step's metrics.jsonl row, which is then written.
+
+  summary["status"]: "completed", "target_reached", "interrupted" (a signal;
+  a checkpoint was saved) or "diverged" (max_bad_steps non-finite steps in a
+  row; the last good checkpoint is kept).
+  """
+  t_start = time.time()
+  sharding.initialize_distributed(config.distributed)
+  model_cfg, recipe, mesh, batches, val_local = _start(config)
+  micro_batch = _micro_batch(config)
+  main = sharding.is_main_process()
+  os.makedirs(workdir, exist_ok=True)
+  programs = _programs(
+      model_cfg, recipe,
+      tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
+      config.batch_size // micro_batch, tuple(config.nan_steps),
+      config.seq_len, mesh)
+  abstract = programs.abstract
+
+  ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
+                      keep=config.keep_checkpoints,
+                      async_save=config.async_checkpointing)
+  restored = ckpts.restore_latest(abstract)
+  if restored is None:
+    state = programs.init(programs.params_key)
+  else:
+    _, state, data_state = restored
+    _restore_data_state(batches, data_state)
+  start = int(state.step)
+  n_params = sum(math.prod(x.shape) for x in
+                 jax.tree.leaves(abstract.params))
+  if main:
+    resolved = config.to_dict()
+    resolved["resolved"] = dict(
+        model=dataclasses.asdict(model_cfg), recipe=recipe.to_config().to_dict(),
+        n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
+        resumed_from_step=start)
+    _write_json(os.path.join(workdir, "config.json"), resolved)
+  print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
+        f"{recipe.name}, mesh {dict(mesh.shape)}, "
+        + (f"resuming at step {start}" if start else "starting at step 0"),
+        flush=True)
+
+  val_batches = [sharding.global_batch(b, mesh) for b in val_local]
+  tokens_per_step = config.batch_size * config.seq_len
+  log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
+                   enabled=main)
+  status, message = "completed", ""
+  eval_loss = target_tokens = last_loss = None
+  train_time, train_steps, steady_time = 0.0, 0, 0.0
+  pending_time, pending_steps = 0.0, 0
+  step = start
+  with sharding.use_mesh(mesh), _StopSignals() as signals:
+    if start == 0:
+      eval_loss = _evaluate(programs.eval, state.params, val_batches)
+      log.write(dict(step=0, tokens=0, eval_loss=eval_loss,
+                     eval_perplexity=math.exp(min(eval_loss, 700))))
+    while step < config.steps:
+      if signals.received:
+        status = "interrupted"
+        message = f"stopped by {signals.received} at step {step}"
+        break
+      t0 = time.time()
+      batch = sharding.global_batch(next(batches), mesh)
+      state, metrics = programs.step(state, batch)
+      metrics = jax.device_get(metrics)
+      dt = time.time() - t0
+      step += 1
+      train_time += dt
+      train_steps += 1
+      if train_steps > 1:
+        steady_time += dt
+      pending_time += dt
+      pending_steps += 1
+      last_loss = float(metrics["loss"])
+      row = dict(step=step, tokens=step * tokens_per_step, loss=last_loss,
+                 lr=float(metrics["lr"]), grad_norm=float(metrics["grad_norm"]),
+                 step_time_s=pending_time / pending_steps,
+                 tokens_per_s=pending_steps * tokens_per_step / pending_time,
+                 skipped_steps=int(metrics["skipped"]))
+      extra = {}
+      for cb in callbacks:
+        extra.update(cb(step, state, batch) or {})
+      row.update(extra)
+      evaluated = step % config.eval_every == 0 or step == config.steps
+      if evaluated:
+        eval_loss = _evaluate(programs.eval, state.params, val_batches)
+        row.update(eval_loss=eval_loss,
+                   eval_perplexity=math.exp(min(eval_loss, 700)))
+      bad_in_row = int(metrics["bad_in_row"])
+      if bad_in_row >= config.max_bad_steps:
+        status = "diverged"
+        message = (f"stopped at step {step}: {bad_in_row} steps in a row had "
+                   f"a non-finite loss or gradient (max_bad_steps="
+                   f"{config.max_bad_steps}); none of them was applied. The "
+                   "last good checkpoint is kept.")
+      elif (evaluated and config.target_eval_loss is not None
+            and eval_loss <= config.target_eval_loss):
+        status, target_tokens = "target_reached", step * tokens_per_step
+        message = (f"eval_loss {eval_loss:.4f} <= target "
+                   f"{config.target_eval_loss} at step {step} after "
+                   f"{target_tokens:,} tokens")
+        row["target_reached"] = True
+      if (evaluated or extra or step % config.log_every == 0
+          or status != "completed"):
+        log.write(row)
+        pending_time, pending_steps = 0.0, 0
+      if status != "completed":
+        break
+      if step % config.checkpoint_every == 0 and bad_in_row == 0:
+        ckpts.save(step, state, _data_states(batches))
+    if eval_loss is None and status != "diverged":  # resumed a finished run
+      eval_loss = _evaluate(programs.eval, state.params, val_batches)
+    if status != "diverged" and step > 0:
+      ckpts.save(step, state, _data_states(batches))
+    ckpts.wait()
+  ckpts.close()
+  log.close()
+  summary = dict(
+      status=status, message=message, step=step,
+      tokens=step * tokens_per_step, final_loss=last_loss,
+      final_eval_loss=eval_loss,
+      final_eval_perplexity=(math.exp(min(eval_loss, 700))
+                             if eval_loss is not None else None),
+      target_eval_loss=config.target_eval_loss, target_tokens=target_tokens,
+      skipped_steps=int(state.skipped), recipe=recipe.name,
+      model=config.model.name, n_params=n_params, resumed_from_step=start,
+      wall_time_s=time.time() - t_start, train_time_s=train_time,
+      tokens_per_s=((train_steps - 1) * tokens_per_step / steady_time
+                    if steady_time > 0 else None))
+  if main:
+    _write_json(os.path.join(workdir, "summary.json"), summary)
+    _print_summary(summary)
+  return summary
+
+
+def _print_summary(s):
+  lines = [f"fp4jax run {s['status']}" + (f": {s['message']}"
+                                          if s["message"] else "")]
+  fields = (("steps", s["step"], ","), ("tokens", s["tokens"], ","),
+            ("final train loss", s["final_loss"], ".4f"),
+            ("final eval loss", s["final_eval_loss"], ".4f"),
+            ("final eval perplexity", s["final_eval_perplexity"], ".2f"),
+            ("skipped steps", s["skipped_steps"], ","),
+            ("tokens/s (after compile)", s["tokens_per_s"], ",.0f"),
+            ("wall time (s)", s["wall_time_s"], ".1f"))
+  for name, value, fmt in fields:
+    if value is not None:
+      lines.append(f"  {name:<26}{value:{fmt}}")
+  print("\n".join(lines), flush=True)

@@ -1,0 +1,46 @@
+"""fp4jax.plot: validation loss against tokens for several runs."""
+
+import json
+import os
+
+import pytest
+
+from fp4jax import plot
+
+
+def _fake_run(workdir, losses, recipe):
+  os.makedirs(workdir)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for i, loss in enumerate(losses):
+      f.write(json.dumps(dict(step=10 * i, tokens=1000 * i, loss=loss)) + "\n")
+      f.write(json.dumps(dict(step=10 * i, tokens=1000 * i, eval_loss=loss))
+              + "\n")
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump({"resolved": {"recipe": {"name": recipe}}}, f)
+
+
+def test_eval_curve_reads_only_eval_rows(tmp_path):
+  run = str(tmp_path / "a")
+  _fake_run(run, [5.0, 4.0, float("nan")], "bf16")
+  tokens, losses = plot.eval_curve(run)
+  assert tokens == [0, 1000, 2000]
+  assert losses[:2] == [5.0, 4.0]
+
+
+def test_main_draws_several_runs_into_one_png(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  _fake_run(a, [5.0, 4.0, 3.5], "bf16")
+  _fake_run(b, [5.0, 4.2, 3.8], "mxfp4-dh16")
+  out = str(tmp_path / "curves.png")
+  plot.main([a, b, "-o", out, "--title", "t"])
+  with open(out, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert os.path.getsize(out) > 5000
+  assert plot._label(b) == "b (mxfp4-dh16)"
+
+
+def test_a_run_without_evaluations_is_an_error(tmp_path):
+  run = str(tmp_path / "empty")
+  os.makedirs(run)
+  with pytest.raises(ValueError, match="no metrics.jsonl rows with an eval_loss"):
+    plot.plot_runs([run], str(tmp_path / "x.png"))

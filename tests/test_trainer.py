@@ -1,0 +1,275 @@
+"""The training program on a very small Llama (8 virtual CPU devices, conftest).
+
+Runs that several tests read are made once per module (fixtures), and each
+run is a few steps of a one-layer model, so the file stays within its time
+budget on a 2-core machine.
+"""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from fp4jax import checkpointing
+from fp4jax import trainer
+from fp4jax.metrics_log import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**overrides):
+  """A one-layer model, 8 x 32 tokens per step, eval every 4 steps."""
+  config = trainer.base_config()
+  config.model = trainer.model_template(
+      "tiny", dim=64, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
+  config.quant.name = "bf16"
+  config.update(dict(
+      steps=8, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
+      eval_every=4, eval_batches=1, eval_batch_size=8, checkpoint_every=4,
+      keep_checkpoints=5, log_every=1))
+  for key, value in overrides.items():
+    if key.startswith("quant."):
+      config.quant[key[len("quant."):]] = value
+    else:
+      config[key] = value
+  return config
+
+
+def _final_state(workdir):
+  """The newest checkpoint's state of a finished run, as numpy arrays."""
+  ckpts = checkpointing.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                    keep=100, async_save=False)
+  step = ckpts.steps()[-1]
+  ckpts.close()
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  return step, ocp.StandardCheckpointer().restore(path)
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("bf16"))
+  summary = trainer.train(tiny_config(), workdir)
+  return workdir, summary
+
+
+# ------------------------------------------------------------- learning
+
+
+def test_bf16_run_lowers_loss_and_writes_its_outputs(bf16_run):
+  workdir, summary = bf16_run
+  rows = read_metrics(workdir)
+  assert [r["step"] for r in rows] == list(range(9))
+  evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  assert len(evals) == 3                        # steps 0, 4, 8
+  assert evals[-1] < evals[0] - 0.5, evals
+  assert rows[-1]["loss"] < rows[1]["loss"] - 0.5
+  for key in ("step", "tokens", "loss", "eval_loss", "lr", "grad_norm",
+              "step_time_s", "tokens_per_s", "skipped_steps"):
+    assert key in rows[-1], key
+  assert rows[-1]["tokens"] == 8 * 8 * 32
+  assert summary["status"] == "completed"
+  assert summary["final_eval_loss"] == evals[-1]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f)["tokens"] == summary["tokens"]
+  with open(os.path.join(workdir, "config.json")) as f:
+    resolved = json.load(f)
+  assert resolved["model"]["n_layers"] == 1
+  assert resolved["resolved"]["model"]["vocab_size"] == 288  # the tokenizer's
+  assert resolved["resolved"]["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
+
+
+def test_mxfp4_dh16_lowers_loss_with_gradient_accumulation(tmp_path):
+  summary = trainer.train(
+      tiny_config(**{"quant.name": "mxfp4-dh16", "micro_batch": 8,
+                     "batch_size": 16, "steps": 6, "eval_every": 6}),
+      str(tmp_path))
+  rows = read_metrics(str(tmp_path))
+  assert summary["recipe"] == "mxfp4-dh16"
+  assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.5, rows
+  assert rows[-1]["tokens"] == 6 * 16 * 32
+
+
+def test_schedule_warms_up_then_decays_to_min_ratio():
+  config = tiny_config(steps=100, warmup_steps=10, lr=1.0)
+  schedule = trainer.train_step.lr_schedule(config)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(10)) == pytest.approx(1.0)
+  assert float(schedule(100)) == pytest.approx(0.1)
+  assert 0.1 < float(schedule(55)) < 1.0
+
+
+# ------------------------------------------------------------- resume
+
+
+_KILLED_CHILD = """
+import json, os, signal, sys
+import ml_collections
+from fp4jax import trainer
+config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
+def kill(step, state, batch):
+  if step == int(sys.argv[3]):
+    os.kill(os.getpid(), signal.SIGKILL)
+trainer.train(config, sys.argv[2], callbacks=[kill])
+"""
+
+
+def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
+    bf16_run, tmp_path):
+  reference, _ = bf16_run
+  workdir = str(tmp_path)
+  # Synchronous saves, so that the checkpoint at step 4 is surely committed
+  # when SIGKILL comes in step 6's callback (before its row is written);
+  # steps 5 and 6 are lost. (The other runs here save asynchronously.)
+  config = tiny_config(async_checkpointing=False)
+  child = subprocess.run(
+      [sys.executable, "-c", _KILLED_CHILD, config.to_json(), workdir, "6"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  assert [r["step"] for r in read_metrics(workdir)][-1] == 5
+  summary = trainer.train(config, workdir)
+  assert summary["resumed_from_step"] == 4
+  assert summary["step"] == 8
+  step_a, state_a = _final_state(reference)
+  step_b, state_b = _final_state(workdir)
+  assert step_a == step_b == 8
+  leaves_a, tree_a = jax.tree.flatten(state_a)
+  leaves_b, tree_b = jax.tree.flatten(state_b)
+  assert tree_a == tree_b
+  for a, b in zip(leaves_a, leaves_b):
+    np.testing.assert_array_equal(a, b)
+  # metrics.jsonl holds one history: the killed run's steps 5-6 were dropped.
+  steps = [r["step"] for r in read_metrics(workdir)]
+  assert steps == list(range(9))
+  losses = [r["loss"] for r in read_metrics(workdir) if "loss" in r]
+  assert losses == [r["loss"] for r in read_metrics(reference) if "loss" in r]
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
+  directory = str(tmp_path / "checkpoints")
+  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False)
+  state = {"w": np.arange(6, dtype=np.float32), "step": np.int32(0)}
+  for step in (1, 2):
+    ckpts.save(step, {"w": state["w"] * step, "step": np.int32(step)},
+               {"rows": [step]})
+  ckpts.wait()
+  for root, _, names in os.walk(os.path.join(directory, "2", "state")):
+    for name in names:
+      with open(os.path.join(root, name), "r+b") as f:
+        f.truncate(max(os.path.getsize(f.name) // 2 - 1, 0))
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  with caplog.at_level(logging.WARNING):
+    step, restored, data_state = ckpts.restore_latest(abstract)
+  assert step == 1 and data_state == {"rows": [1]}
+  np.testing.assert_array_equal(restored["w"], state["w"])
+  assert "step 2 could not be read" in caplog.text
+  assert ckpts.steps() == [1]
+  assert os.path.isdir(tmp_path / "checkpoints_corrupt" / "2")
+  # With every checkpoint unreadable there is nothing to resume from.
+  os.remove(os.path.join(directory, "1", "data", "metadata"))
+  assert ckpts.restore_latest(abstract) is None
+  ckpts.close()
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(
+    bf16_run, tmp_path):
+  workdir = str(tmp_path)
+
+  def terminate(step, state, batch):
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  summary = trainer.train(tiny_config(), workdir, callbacks=[terminate])
+  assert summary["status"] == "interrupted" and summary["step"] == 3
+  assert "SIGTERM" in summary["message"]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+  summary = trainer.train(tiny_config(), workdir)
+  assert summary["resumed_from_step"] == 3 and summary["status"] == "completed"
+  reference, _ = bf16_run
+  for a, b in zip(jax.tree.leaves(_final_state(reference)[1]),
+                  jax.tree.leaves(_final_state(workdir)[1])):
+    np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------- stopping
+
+
+def test_non_finite_steps_are_skipped_and_counted(tmp_path):
+  checksums = {}
+
+  def record(step, state, batch):
+    leaves = jax.tree.leaves(state.params)
+    checksums[step] = [np.asarray(x).copy() for x in leaves]
+    return {"probe": step}
+
+  summary = trainer.train(
+      tiny_config(nan_steps=(3, 4), max_bad_steps=3), str(tmp_path),
+      callbacks=[record])
+  rows = read_metrics(str(tmp_path))
+  assert summary["status"] == "completed" and summary["skipped_steps"] == 2
+  assert [r["skipped_steps"] for r in rows if r["step"]] == [0, 0, 1, 2, 2, 2,
+                                                             2, 2]
+  assert np.isnan(rows[3]["loss"]) and np.isfinite(rows[5]["loss"])
+  assert all(r["probe"] == r["step"] for r in rows if r["step"])
+  for a, b in zip(checksums[2], checksums[4]):   # 3 and 4 not applied
+    np.testing.assert_array_equal(a, b)
+  assert not all(np.array_equal(a, b)
+                 for a, b in zip(checksums[4], checksums[5]))
+
+
+def test_too_many_bad_steps_stop_the_run_keeping_the_good_checkpoint(
+    tmp_path):
+  # Same program as the test above (compiled once): only max_bad_steps differs.
+  summary = trainer.train(
+      tiny_config(nan_steps=(3, 4), max_bad_steps=2, checkpoint_every=1),
+      str(tmp_path))
+  assert summary["status"] == "diverged"
+  assert summary["step"] == 4
+  assert "2 steps in a row" in summary["message"]
+  steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
+  assert steps[-1] == 2
+
+
+def test_target_eval_loss_stops_the_run_and_records_tokens(tmp_path):
+  summary = trainer.train(tiny_config(target_eval_loss=100.0, eval_every=2),
+                          str(tmp_path))
+  assert summary["status"] == "target_reached"
+  assert summary["step"] == 2
+  assert summary["target_tokens"] == 2 * 8 * 32
+  assert read_metrics(str(tmp_path))[-1]["target_reached"] is True
+
+
+# ------------------------------------------------------------- bad config
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("model.name", "gpt-17", "unknown model preset 'gpt-17'"),
+    ("quant.name", "mxfp5", "unknown recipe 'mxfp5'"),
+    ("data.source", "nowhere", "unknown data.source 'nowhere'"),
+    ("data.path", "/no/such/dir/*.json.gz", "matches no files"),
+    ("data.tokenizer", "/no/such/tokenizer.json", "tokenizer"),
+    ("micro_batch", 3, "micro_batch 3 must divide batch_size 8"),
+    ("dtype", "float16", "dtype 'float16'"),
+])
+def test_bad_config_values_fail_at_start_with_a_clear_message(
+    tmp_path, key, value, words):
+  config = tiny_config()
+  if key.startswith("data.path"):
+    config.data.source = "files"
+  section, _, name = key.rpartition(".")
+  (config[section] if section else config)[name] = value
+  with pytest.raises(trainer.ConfigError) as err:
+    trainer.train(config, str(tmp_path))
+  assert words in str(err.value)
+  assert not os.path.exists(tmp_path / "checkpoints")
