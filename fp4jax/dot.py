@@ -1,0 +1,203 @@
+"""The quantized dot_general: a drop-in for jax.lax.dot_general.
+
+`dot_general(recipe)` returns a function with lax.dot_general's signature plus
+`key`. Forward and backward are a jax.custom_vjp whose residuals are the two
+original (high-precision) operands; each of the three GEMMs (recipes.py)
+rotates and fake-quantizes its operands along *its own* contraction axes, casts
+them to `recipe.compute_dtype` and multiplies with float32 accumulation.
+
+Several contraction axes (DenseGeneral, Wgrad over batch x sequence) are
+blocked as one axis: the contraction axes, in dot_general order, flattened
+into one. Both operands of a GEMM flatten in the same order, so blocks and
+rotations line up element for element. Layout: a GEMM's lhs is rotated and
+quantized as [other axes..., contraction] (XLA:CPU runs a bf16 GEMM whose
+lhs contracts a leading axis in float32, 5x slower), its rhs in place. For
+Dense layers that is a free reshape everywhere except the Wgrad lhs, where
+X[M, K] is transposed once to [K, M]. The layout decides which random bits an
+element gets under stochastic rounding, nothing else (up to the float32
+round-off of the rotation). A rotated axis whose length is not a multiple of
+the Hadamard block is zero-padded (both operands alike: the product is
+unchanged); quantization blocks that do not divide the axis are padded
+inside `fake_quantize`.
+
+Randomness: role r in (fprop, dgrad, wgrad) uses fold_in(key, r); within it
+operand i in (lhs, rhs) quantizes with fold_in(role_key, i) and random
+Hadamard signs come from fold_in(role_key, 2), shared by both operands.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from fp4jax import formats, hadamard
+from fp4jax.recipes import Gemm, Hadamard, Recipe
+
+
+def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, backend: str):
+  """x rotated and fake-quantized along `axis` (the GEMM's flattened contraction axis).
+
+  Every GEMM operand passes through here. rotation None: no rotation; else x
+  is zero-padded along `axis` to a multiple of rotation.block and rotated with
+  `signs` (None or a +-1 vector). spec None: no quantization. Returns x's dtype;
+  shape = x.shape, with `axis` padded when rotated.
+  """
+  if backend != "xla":
+    raise ValueError(f"backend {backend!r}: the Pallas backend is provided by fp4jax.kernels")
+  if rotation is not None:
+    pad = -x.shape[axis] % rotation.block
+    if pad:
+      x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
+    x = hadamard.rotate(x, rotation.block, axis, signs)
+  if spec is not None:
+    x = formats.fake_quantize(x, spec, axis, key)
+  return x
+
+
+def _signs(rotation: Hadamard | None, key):
+  """The +-1 vector a rotation uses on this call, or None."""
+  if rotation is None or rotation.signs == "none":
+    return None
+  if rotation.signs == "fixed":
+    return hadamard.random_signs(jax.random.key(rotation.seed), rotation.block)
+  return hadamard.random_signs(key, rotation.block)
+
+
+def _flatten(x, axes, last=False):
+  """x with `axes` merged into one axis (in the given order).
+
+  The merged axis stays in place when `axes` are adjacent and increasing (a
+  free reshape) unless `last`; otherwise x is transposed to put it last.
+  Returns (x', axis, where): axis is the merged axis of x', where[d] the new
+  index of every other dim d of x (their order is kept).
+  """
+  rest = [d for d in range(x.ndim) if d not in axes]
+  n = math.prod(x.shape[d] for d in axes)
+  adjacent = bool(axes) and tuple(axes) == tuple(range(axes[0], axes[0] + len(axes)))
+  if adjacent and (not last or axes[-1] == x.ndim - 1):
+    a = axes[0]
+    where = {d: d if d < a else d - len(axes) + 1 for d in rest}
+    return x.reshape(x.shape[:a] + (n,) + x.shape[a + len(axes):]), a, where
+  if list(axes) != list(range(len(rest), x.ndim)):
+    x = jnp.transpose(x, rest + list(axes))
+  return x.reshape(x.shape[:len(rest)] + (n,)), len(rest), {d: i for i, d in enumerate(rest)}
+
+
+def _gemm(a, b, dims, gemm: Gemm, key, recipe: Recipe, precision, out_dtype, out_sharding=None):
+  """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says."""
+  if gemm.is_plain:
+    return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
+  (ca, cb), (ba, bb) = dims
+  a, ia, wa = _flatten(a, ca, last=True)
+  b, ib, wb = _flatten(b, cb)
+  keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
+  signs = _signs(gemm.hadamard, keys[2])
+  backend = "xla" if recipe.backend == "auto" else recipe.backend
+  cdt = jnp.dtype(recipe.compute_dtype)
+  a = quantize_operand(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], backend).astype(cdt)
+  b = quantize_operand(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], backend).astype(cdt)
+  dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
+  y = lax.dot_general(a, b, dims, precision, jnp.float32, out_sharding=out_sharding)
+  return _fence(y.astype(out_dtype), cdt)
+
+
+def _fence(y, compute_dtype):
+  """Works around XLA:CPU (jax 0.10.2): a bf16 x bf16 -> f32 dot whose result is
+  transposed later (by _to_layout, vmap or the caller) has the transpose folded
+  into it and fails with "Unsupported element type for DotThunk::Execute"."""
+  if compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return lax.optimization_barrier(y)
+  return y
+
+
+def _to_layout(y, owner):
+  """y (axis j holds operand dim owner[j]) transposed to the operand's layout."""
+  perm = [owner.index(d) for d in range(len(owner))]
+  return y if perm == sorted(perm) else jnp.transpose(y, perm)
+
+
+class _Static(NamedTuple):
+  recipe: Recipe
+  dims: tuple
+  precision: object
+  out_dtype: object
+  out_sharding: object
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qdot(s: _Static, lhs, rhs, key):
+  return _fwd(s, lhs, rhs, key)[0]
+
+
+def _fwd(s, lhs, rhs, key):
+  fkey = None if key is None else jax.random.fold_in(key, 0)
+  y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, fkey, s.recipe, s.precision, s.out_dtype,
+            s.out_sharding)
+  return y, (lhs, rhs, key)
+
+
+def _bwd(s, res, dy):
+  """Dgrad dX = dY . W over W's free dims; Wgrad dW = X . dY over X's free dims."""
+  lhs, rhs, key = res
+  (lc, rc), (lb, rb) = s.dims
+  lf = [d for d in range(lhs.ndim) if d not in lc + lb]
+  rf = [d for d in range(rhs.ndim) if d not in rc + rb]
+  nb = len(lb)
+  y_b = tuple(range(nb))
+  y_lf = tuple(range(nb, nb + len(lf)))
+  y_rf = tuple(range(nb + len(lf), dy.ndim))
+  dkey, wkey = (None, None) if key is None else (jax.random.fold_in(key, 1),
+                                                jax.random.fold_in(key, 2))
+  dx = _gemm(dy, rhs, ((y_rf, tuple(rf)), (y_b, rb)), s.recipe.dgrad, dkey, s.recipe,
+             s.precision, lhs.dtype)
+  # dx axes: batch (lb), lhs free (lf), then rhs's remaining dims (rc, by rhs index).
+  dx = _to_layout(dx, list(lb) + lf + [lc[rc.index(r)] for r in sorted(rc)])
+  dw = _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), s.recipe.wgrad, wkey, s.recipe,
+             s.precision, rhs.dtype)
+  # dw axes: batch (rb), lhs's remaining dims (lc, by lhs index), rhs free (rf).
+  dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
+  return dx, dw, None
+
+
+_qdot.defvjp(_fwd, _bwd)
+
+
+def dot_general(recipe: Recipe):
+  """The recipe's quantized drop-in for jax.lax.dot_general.
+
+  Returns fn(lhs, rhs, dimension_numbers, precision=None,
+  preferred_element_type=None, out_sharding=None, key=None) -> array with
+  lax.dot_general's output shape and dtype. `key` (a PRNG key) is required
+  when recipe.is_random and ignored otherwise. A recipe that neither
+  quantizes nor rotates (e.g. "bf16") calls lax.dot_general with the caller's
+  arguments (no custom_vjp: bitwise lax.dot_general, gradients included).
+  """
+  if recipe.is_plain:
+    return _plain
+
+  def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+         out_sharding=None, key=None):
+    if recipe.is_random and key is None:
+      raise ValueError(f"recipe {recipe.name!r} is random (stochastic rounding or random "
+                       "Hadamard signs) and needs key=")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    (lc, rc), (lb, rb) = dimension_numbers
+    ln, rn = lhs.ndim, rhs.ndim
+    dims = ((tuple(d % ln for d in lc), tuple(d % rn for d in rc)),
+            (tuple(d % ln for d in lb), tuple(d % rn for d in rb)))
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    s = _Static(recipe, dims, precision, out_dtype, out_sharding)
+    return _qdot(s, lhs, rhs, key if recipe.is_random else None)
+
+  return fn
+
+
+def _plain(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+           out_sharding=None, key=None):
+  """lax.dot_general with the caller's arguments; `key` is accepted and unused."""
+  del key
+  return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                         out_sharding=out_sharding)

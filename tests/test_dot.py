@@ -1,0 +1,301 @@
+"""The quantized dot_general against references written out from fake_quantize and rotate."""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import dot, formats, hadamard, recipes
+from fp4jax.recipes import Gemm, Hadamard, Recipe
+
+DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
+KEY = jax.random.key(7)
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _vjp_fn(dg, dims=DENSE):
+  """jit of (x, w, dy, key) -> (y, dx, dw): dg(x, w) and its vjp with dy."""
+  def f(x, w, dy, key):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key), x, w)
+    return (y,) + vjp(dy)
+  return jax.jit(f)
+
+
+def _vjp(dg, x, w, dy, dims=DENSE, key=KEY):
+  return _vjp_fn(dg, dims)(x, w, dy, key)
+
+
+def _close(got, want):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------------------- the reference
+
+def _q(a, spec, h, signs, axis, key, cdt):
+  """What the documentation says an operand becomes: (pad,) rotate, quantize, cast."""
+  if h is not None:
+    pad = -a.shape[axis] % h.block
+    a = jnp.pad(a, [(0, pad if d == axis else 0) for d in range(a.ndim)])
+    a = hadamard.rotate(a, h.block, axis, signs)
+  if spec is not None:
+    a = formats.fake_quantize(a, spec, axis, key)
+  return a.astype(cdt)
+
+
+def _role_keys(gemm, key, role):
+  """fold_in(key, role) -> (lhs key, rhs key, signs) as documented in fp4jax.dot."""
+  k = jax.random.fold_in(key, role)
+  h = gemm.hadamard
+  signs = None
+  if h is not None and h.signs == "fixed":
+    signs = hadamard.random_signs(jax.random.key(h.seed), h.block)
+  elif h is not None and h.signs == "random":
+    signs = hadamard.random_signs(jax.random.fold_in(k, 2), h.block)
+  return jax.random.fold_in(k, 0), jax.random.fold_in(k, 1), signs
+
+
+def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key):
+  """(y, dx, dw) of a Dense layer by hand: fprop contracts K, dgrad N, wgrad M.
+
+  As documented, each GEMM's lhs is quantized with its contraction axis last
+  (X^T for wgrad); the rhs in its own layout.
+  """
+  cdt = jnp.dtype(r.compute_dtype)
+
+  def gemm(role_idx, g, a_FxC, b, b_axis):
+    dims = (((1,), (b_axis,)), ((), ()))
+    if g.is_plain:
+      return lax.dot_general(a_FxC, b, dims)
+    ka, kb, signs = _role_keys(g, key, role_idx)
+    qa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, cdt)
+    qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
+    return lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+
+  y = gemm(0, r.fprop, x_MxK, w_KxN, 0)
+  dx = gemm(1, r.dgrad, dy_MxN, w_KxN, 1)
+  dw = gemm(2, r.wgrad, x_MxK.T, dy_MxN, 0)
+  return y, dx, dw
+
+
+@pytest.mark.parametrize("name", recipes.recipe_names())
+def test_every_role_matches_the_hand_written_reference(name):
+  """Rank-3 activations (B=2, L=32 -> M=64 tokens); N=48 pads Hadamard 64."""
+  r = recipes.recipe(name)
+  x, w, dy = _normal(0, (2, 32, 96)), _normal(1, (96, 48)), _normal(2, (2, 32, 48))
+  y, dx, dw = _vjp(dot.dot_general(r), x, w, dy)
+  ry, rdx, rdw = jax.jit(lambda *a: _reference(r, *a))(
+      x.reshape(64, 96), w, dy.reshape(64, 48), KEY)
+  _close(y.reshape(64, 48), ry)
+  _close(dx.reshape(64, 96), rdx)
+  _close(dw, rdw)
+  assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32,) * 3
+
+
+def test_reference_detects_a_wrong_axis():
+  """Guard on the test itself: Wgrad operands blocked along K instead of M differ."""
+  spec = recipes.recipe("mxfp4").wgrad.lhs
+  x, dy = _normal(0, (64, 96)), _normal(2, (64, 48))
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def dw(axis, x, dy):
+    q = lambda a: formats.fake_quantize(a, spec, axis).astype(jnp.bfloat16)
+    return lax.dot_general(q(x), q(dy), (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+  with pytest.raises(AssertionError):
+    _close(dw(1, x, dy), dw(0, x, dy))
+
+
+# ------------------------------------------------------------- exactness
+
+def test_bf16_is_lax_dot_general_bitwise():
+  dg = dot.dot_general(recipes.recipe("bf16"))
+  x, w = _normal(0, (4, 8, 64), jnp.bfloat16), _normal(1, (64, 32), jnp.bfloat16)
+  dy = _normal(2, (4, 8, 32), jnp.bfloat16)
+  for kw in ({}, dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)):
+    f = lambda a, b: dg(a, b, DENSE, **kw)
+    g = lambda a, b: lax.dot_general(a, b, DENSE, **kw)
+    got = jax.vjp(f, x, w)
+    want = jax.vjp(g, x, w)
+    np.testing.assert_array_equal(got[0], want[0])
+    dyk = dy.astype(got[0].dtype)
+    for a, b in zip(got[1](dyk), want[1](dyk)):
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(a, b)
+
+
+def test_deterministic_recipes_are_bitwise_reproducible():
+  """Two separate compilations, and a repeated call, give the same bits."""
+  x, w, dy = _normal(0, (64, 64)), _normal(1, (64, 32)), _normal(2, (64, 32))
+  dims = (((1,), (0,)), ((), ()))
+  for name in ("fp8", "mxfp4-dh16-even"):
+    f = _vjp_fn(dot.dot_general(recipes.recipe(name)), dims)
+    a, b = f(x, w, dy, None), f(x, w, dy, None)
+    c = _vjp(dot.dot_general(recipes.recipe(name)), x, w, dy, dims=dims, key=None)
+    for u, v, t in zip(a, b, c):
+      np.testing.assert_array_equal(u, v)
+      np.testing.assert_array_equal(u, t)
+
+
+def test_random_recipes_follow_the_key():
+  x, w, dy = _normal(0, (64, 64)), _normal(1, (64, 32)), _normal(2, (64, 32))
+  dims = (((1,), (0,)), ((), ()))
+  for name in ("mxfp4-sr", "mxfp4-rh16", "nvfp4"):  # SR only, signs only, per role
+    dg = dot.dot_general(recipes.recipe(name))
+    f = _vjp_fn(dg, dims)
+    a, b, c = (f(x, w, dy, jax.random.key(k)) for k in (1, 1, 2))
+    for role, u, v, t in zip(recipes.ROLES, a, b, c):  # y, dx, dw
+      np.testing.assert_array_equal(u, v)
+      assert np.array_equal(u, t) != getattr(recipes.recipe(name), role).is_random, (name, role)
+    with pytest.raises(ValueError, match="needs key"):
+      dg(x, w, dims)
+
+
+def test_rotated_forward_is_the_product_of_rotated_operands():
+  """mxfp4-dh16(x, w) == mxfp4(rotate(x), rotate(w)): the GEMM needs no un-rotation."""
+  x, w = _normal(0, (64, 96)), _normal(1, (96, 48))
+  dims = (((1,), (0,)), ((), ()))
+  dh16 = jax.jit(lambda a, b: dot.dot_general(recipes.recipe("mxfp4-dh16"))(a, b, dims))
+  mxfp4 = jax.jit(lambda a, b: dot.dot_general(recipes.recipe("mxfp4"))(a, b, dims))
+  rotated = dh16(x, w)
+  _close(rotated, mxfp4(hadamard.rotate(x, 16, 1), hadamard.rotate(w, 16, 0)))
+  assert not np.allclose(rotated, mxfp4(x, w))
+
+
+# ---------------------------------------- layouts: rotation without quantization
+
+def _rotation_only(signs, block=16):
+  g = Gemm(hadamard=Hadamard(block, signs))
+  return Recipe("rot", g, g, g, compute_dtype="float32")
+
+
+LAYOUTS = {  # name: (lhs shape, rhs shape, dimension numbers)
+    "dense rank2": ((24, 40), (40, 8), (((1,), (0,)), ((), ()))),
+    "dense rank4": ((2, 3, 4, 40), (40, 8), (((3,), (0,)), ((), ()))),
+    "dense general": ((2, 6, 4, 8), (4, 8, 12), (((2, 3), (0, 1)), ((), ()))),
+    "reversed contraction": ((2, 6, 8, 4), (4, 8, 12), (((3, 2), (0, 1)), ((), ()))),
+    "kernel first": ((12, 40), (6, 40), (((1,), (1,)), ((), ()))),
+    "attention": ((2, 5, 3, 8), (2, 7, 3, 8), (((3,), (3,)), ((0, 2), (0, 2)))),
+    "outer": ((5, 3), (4,), (((), ()), ((), ()))),
+}
+
+
+@pytest.mark.parametrize("layout,signs", list(zip(
+    LAYOUTS, ["random", "fixed", "none", "fixed", "none", "fixed", "random"])))
+def test_rotation_without_quantization_leaves_the_product_unchanged(layout, signs):
+  """y, dx and dw of a rotation-only recipe == lax.dot_general, in every layout."""
+  ls, rs, dims = LAYOUTS[layout]
+  x, w = _normal(0, ls), _normal(1, rs)
+  dy = _normal(2, jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape)
+  want = _vjp(lambda a, b, d, key: lax.dot_general(a, b, d, precision="highest"), x, w, dy, dims)
+  got = _vjp(dot.dot_general(_rotation_only(signs)), x, w, dy, dims)
+  for u, v in zip(got, want):
+    assert u.shape == v.shape
+    _close(u, v)
+
+
+@pytest.mark.parametrize("layout", ["dense general", "reversed contraction", "kernel first"])
+def test_several_contraction_axes_block_as_one_flattened_axis(layout):
+  """Quantized result == the same recipe on operands flattened by hand (dot order)."""
+  ls, rs, ((lc, rc), _) = LAYOUTS[layout]
+  x, w = _normal(0, ls), _normal(1, rs)
+  lf = [d for d in range(x.ndim) if d not in lc]
+  rf = [d for d in range(w.ndim) if d not in rc]
+  x2 = jnp.transpose(x, lf + list(lc)).reshape(-1, np.prod([x.shape[d] for d in lc]))
+  w2 = jnp.transpose(w, list(rc) + rf).reshape(x2.shape[1], -1)
+  dg = jax.jit(dot.dot_general(recipes.recipe("mxfp4-dh16")), static_argnums=2)
+  y = dg(x, w, LAYOUTS[layout][2])
+  y2 = dg(x2, w2, (((1,), (0,)), ((), ())))
+  _close(y.reshape(y2.shape), y2)
+
+
+def test_batch_dims_agree_with_vmap():
+  """Attention-like einsum: batch dims == vmap of the unbatched quantized GEMM.
+
+  (vmap's out_axes transpose the bf16 GEMM outputs: the XLA:CPU case _fence handles.)
+  """
+  q, k = _normal(0, (2, 32, 3, 32)), _normal(1, (2, 64, 3, 32))
+  dy = _normal(2, (2, 3, 32, 64))
+  dg = dot.dot_general(recipes.recipe("mxfp4-dh16"))
+  got = _vjp(dg, q, k, dy, dims=(((3,), (3,)), ((0, 2), (0, 2))), key=None)
+  one = lambda a, b, c: _vjp(dg, a, b, c, dims=(((1,), (1,)), ((), ())), key=None)
+  want = jax.jit(jax.vmap(jax.vmap(one, (1, 1, 0), (0, 1, 1))))(q, k, dy)
+  for u, v in zip(got, want):
+    _close(u, v)
+
+
+def test_padding_is_exact():
+  """Axes that no block divides give what explicit zero padding gives (nearest rounding)."""
+  x, w, dy = _normal(0, (40, 40)), _normal(1, (40, 24)), _normal(2, (40, 24))
+  pad = lambda a, s: jnp.pad(a, [(0, n - m) for n, m in zip(s, a.shape)])
+  dims = (((1,), (0,)), ((), ()))
+  for name in ("mxfp4", "mxfp4-dh16", "mxfp4-dh32"):
+    dg = dot.dot_general(recipes.recipe(name))
+    y, dx, dw = _vjp(dg, x, w, dy, dims=dims)
+    yp, dxp, dwp = _vjp(dg, pad(x, (64, 64)), pad(w, (64, 32)), pad(dy, (64, 32)), dims=dims)
+    _close(y, yp[:40, :24])
+    _close(dx, dxp[:40, :40])
+    _close(dw, dwp[:40, :24])
+
+
+# ----------------------------------------------- dtypes, transforms, arguments
+
+def test_bf16_inputs_and_preferred_element_type():
+  dg = dot.dot_general(recipes.recipe("mxfp4-dh16"))
+  x, w = _normal(0, (64, 64), jnp.bfloat16), _normal(1, (64, 32), jnp.bfloat16)
+  dims = (((1,), (0,)), ((), ()))
+  y, dx, dw = _vjp(dg, x, w, jnp.ones((64, 32), jnp.bfloat16), dims, key=None)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16
+  y32 = jax.jit(lambda a, b: dg(a, b, dims, preferred_element_type=jnp.float32))(x, w)
+  assert y32.dtype == jnp.float32
+  np.testing.assert_array_equal(y32.astype(jnp.bfloat16), y)
+
+
+def test_remat_and_grad_of_a_loss():
+  dg = dot.dot_general(recipes.recipe("mxfp4-rh16"))
+  x, w = _normal(0, (64, 64)), _normal(1, (64, 32))
+  loss = lambda w, key: jnp.sum(dg(x, w, (((1,), (0,)), ((), ())), key=key) ** 2)
+  g = jax.jit(jax.grad(loss))(w, KEY)
+  g_remat = jax.jit(jax.grad(jax.checkpoint(loss)))(w, KEY)
+  np.testing.assert_array_equal(g, g_remat)
+  assert np.isfinite(g).all() and g.shape == w.shape
+
+
+def test_precision_is_passed_to_every_gemm():
+  dg = dot.dot_general(recipes.recipe("mxfp4"))
+  x, w = _normal(0, (64, 64)), _normal(1, (64, 32))
+  f = lambda a, b: dg(a, b, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST)
+  jaxpr = jax.make_jaxpr(lambda a, b: jax.vjp(f, a, b)[1](jnp.ones((64, 32))))(x, w)
+  text = str(jaxpr)
+  assert text.count("dot_general") >= 3
+  assert "DEFAULT" not in text and "HIGHEST" in text
+
+
+def test_out_sharding_is_honoured():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  spec = jax.sharding.PartitionSpec("data", None)
+  dg = dot.dot_general(recipes.recipe("mxfp4-dh16"))
+  with jax.set_mesh(mesh):
+    x = jax.device_put(_normal(0, (64, 64)), jax.sharding.NamedSharding(mesh, spec))
+    w = jax.device_put(_normal(1, (64, 32)), jax.sharding.NamedSharding(mesh, jax.P()))
+    y = jax.jit(lambda a, b: dg(a, b, (((1,), (0,)), ((), ())), out_sharding=spec))(x, w)
+  assert y.sharding.spec == spec
+
+
+def test_backend_names():
+  x, w = _normal(0, (32, 32)), _normal(1, (32, 32))
+  dims = (((1,), (0,)), ((), ()))
+  auto = dataclasses.replace(recipes.recipe("mxfp4"), backend="auto")
+  run = lambda r: jax.jit(lambda a, b: dot.dot_general(r)(a, b, dims))(x, w)
+  np.testing.assert_array_equal(run(auto), run(recipes.recipe("mxfp4")))
+  pallas = dataclasses.replace(recipes.recipe("mxfp4"), backend="pallas")
+  with pytest.raises(ValueError, match="fp4jax.kernels"):
+    run(pallas)
