@@ -40,18 +40,24 @@ from fp4jax.recipes import Gemm, Hadamard, Recipe
 def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, backend: str):
   """x rotated and fake-quantized along `axis` (the GEMM's flattened contraction axis).
 
-  Every GEMM operand passes through here. rotation None: no rotation; else x
+  Every GEMM operand passes through here. backend "pallas" runs rotation and
+  quantization as one fused kernel (fp4jax.kernels) where it supports the spec,
+  and the XLA path otherwise; both give the same bits. rotation None: no rotation; else x
   is zero-padded along `axis` to a multiple of rotation.block and rotated with
   `signs` (None or a +-1 vector). spec None: no quantization. Returns x's dtype;
   shape = x.shape, with `axis` padded when rotated.
   """
-  if backend != "xla":
-    raise ValueError(f"backend {backend!r}: the Pallas backend is provided by fp4jax.kernels")
   if rotation is not None:
     pad = -x.shape[axis] % rotation.block
     if pad:
       x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
-    x = hadamard.rotate(x, rotation.block, axis, signs)
+  block = None if rotation is None else rotation.block
+  if backend == "pallas" and spec is not None:
+    from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
+    if kernel_quantize.unsupported(spec, block) is None:
+      return kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
+  if rotation is not None:
+    x = hadamard.rotate(x, block, axis, signs)
   if spec is not None:
     x = formats.fake_quantize(x, spec, axis, key)
   return x
@@ -95,7 +101,9 @@ def _gemm(a, b, dims, gemm: Gemm, key, recipe: Recipe, precision, out_dtype, out
   b, ib, wb = _flatten(b, cb)
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
   signs = _signs(gemm.hadamard, keys[2])
-  backend = "xla" if recipe.backend == "auto" else recipe.backend
+  backend = recipe.backend
+  if backend == "auto":
+    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
   cdt = jnp.dtype(recipe.compute_dtype)
   a = quantize_operand(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], backend).astype(cdt)
   b = quantize_operand(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], backend).astype(cdt)
