@@ -225,17 +225,13 @@ def test_interpret_defaults_to_the_backend():
   assert kq.interpret_mode(None) == (jax.default_backend() != "gpu")
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("axis", [-1, 0])
-def test_lowers_to_triton_for_cuda(axis):
-  """The compiled GPU path: the kernel lowers to one Triton call, no transpose.
-
-  Stochastic rounding: nearest rounding reaches Triton once
-  fp4jax.elements.round_element stops using jnp.round (lax.round has no
-  Triton lowering in jax 0.10).
-  """
-  spec = formats.QuantSpec("mxfp4", rounding="stochastic")
+def test_lowers_to_triton_for_cuda(axis, rounding):
+  """The compiled GPU path: the kernel lowers to one Triton call, no transpose."""
+  spec = formats.QuantSpec("mxfp4", rounding=rounding)
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
-  bits = jax.ShapeDtypeStruct((256, 512), jnp.uint32)
+  bits = jax.ShapeDtypeStruct((256, 512), jnp.uint32) if spec.is_random else None
   fn = lambda x, b: kq.quantize_packed(x, spec, axis, hadamard_block=16, random_bits=b,
                                        interpret=False)
   text = jax.jit(fn).trace(x, bits).lower(lowering_platforms=("cuda",)).as_text()
