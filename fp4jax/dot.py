@@ -4,7 +4,11 @@
 `key`. Forward and backward are a jax.custom_vjp whose residuals are the two
 original (high-precision) operands; each of the three GEMMs (recipes.py)
 rotates and fake-quantizes its operands along *its own* contraction axes, casts
-them to `recipe.compute_dtype` and multiplies with float32 accumulation.
+them to `recipe.compute_dtype` and multiplies with float32 accumulation. A GEMM
+with an operand whose fake-quantized values carry a float32 factor (per-tensor
+FP8 scale, NVFP4 global scale, the 4/3 of stochastic_dither) computes in
+float32 instead, since a bf16 cast would round them (hardware applies those
+factors in a float32 epilogue).
 
 Several contraction axes (DenseGeneral, Wgrad over batch x sequence) are
 blocked as one axis: the contraction axes, in dot_general order, flattened
@@ -63,7 +67,7 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
   return x
 
 
-def _signs(rotation: Hadamard | None, key):
+def rotation_signs(rotation: Hadamard | None, key):
   """The +-1 vector a rotation uses on this call, or None."""
   if rotation is None or rotation.signs == "none":
     return None
@@ -100,16 +104,31 @@ def _gemm(a, b, dims, gemm: Gemm, key, recipe: Recipe, precision, out_dtype, out
   a, ia, wa = _flatten(a, ca, last=True)
   b, ib, wb = _flatten(b, cb)
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
-  signs = _signs(gemm.hadamard, keys[2])
+  signs = rotation_signs(gemm.hadamard, keys[2])
   backend = recipe.backend
   if backend == "auto":
     backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-  cdt = jnp.dtype(recipe.compute_dtype)
+  cdt = _compute_dtype(gemm, recipe)
   a = quantize_operand(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], backend).astype(cdt)
   b = quantize_operand(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], backend).astype(cdt)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
   y = lax.dot_general(a, b, dims, precision, jnp.float32, out_sharding=out_sharding)
   return _fence(y.astype(out_dtype), cdt)
+
+
+def _exact_in_bf16(spec) -> bool:
+  """Whether a fake-quantized operand survives a cast to bf16 unchanged: MX
+  elements times power-of-two scales do; a float32 factor (per-tensor FP8
+  scale, NVFP4 global scale, the 4/3 of stochastic_dither) does not."""
+  return spec is None or (spec.family == "mx" and spec.rounding != "stochastic_dither")
+
+
+def _compute_dtype(gemm: Gemm, recipe: Recipe):
+  """recipe.compute_dtype, or float32 for a GEMM with an operand that bf16
+  would round (as hardware applies those factors in a float32 epilogue)."""
+  if _exact_in_bf16(gemm.lhs) and _exact_in_bf16(gemm.rhs):
+    return jnp.dtype(recipe.compute_dtype)
+  return jnp.dtype(jnp.float32)
 
 
 def _fence(y, compute_dtype):
@@ -183,6 +202,9 @@ def dot_general(recipe: Recipe):
   quantizes nor rotates (e.g. "bf16") calls lax.dot_general with the caller's
   arguments (no custom_vjp: bitwise lax.dot_general, gradients included).
   """
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"dot_general takes a Recipe, e.g. fp4jax.recipe('mxfp4-dh16'); "
+                    f"got {recipe!r}")
   if recipe.is_plain:
     return _plain
 
@@ -193,14 +215,21 @@ def dot_general(recipe: Recipe):
                        "Hadamard signs) and needs key=")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     (lc, rc), (lb, rb) = dimension_numbers
-    ln, rn = lhs.ndim, rhs.ndim
-    dims = ((tuple(d % ln for d in lc), tuple(d % rn for d in rc)),
-            (tuple(d % ln for d in lb), tuple(d % rn for d in rb)))
+    dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
+            (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     s = _Static(recipe, dims, precision, out_dtype, out_sharding)
     return _qdot(s, lhs, rhs, key if recipe.is_random else None)
 
   return fn
+
+
+def _axes(dims, x, name):
+  """dims of x as non-negative ints; an out-of-range dim raises ValueError."""
+  if any(not -x.ndim <= d < x.ndim for d in dims):
+    raise ValueError(f"dimension numbers {tuple(dims)} out of range for {name} of shape "
+                     f"{x.shape}")
+  return tuple(d % x.ndim for d in dims)
 
 
 def _plain(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,

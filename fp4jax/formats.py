@@ -182,6 +182,13 @@ def _from_blocks(xb, axis, n):
   return lax.slice_in_dim(x, 0, n, axis=axis) if x.shape[axis] != n else x
 
 
+def _check_axis(axis, ndim):
+  """axis as a non-negative index; ValueError when out of range."""
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"axis {axis} out of range for an array of rank {ndim}")
+  return axis % ndim
+
+
 def _check_input(x, spec, axis, key):
   if not isinstance(spec, QuantSpec):
     raise TypeError(f"spec must be a QuantSpec, got {type(spec).__name__}")
@@ -189,11 +196,8 @@ def _check_input(x, spec, axis, key):
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"can only quantize real floating arrays, got dtype "
                     f"{dtype}")
-  ndim = jnp.ndim(x)
   if spec.block is not None:
-    if not -ndim <= axis < ndim:
-      raise ValueError(f"axis {axis} out of range for an array of rank {ndim}")
-    axis %= ndim
+    axis = _check_axis(axis, jnp.ndim(x))
   if spec.is_random and key is None:
     raise ValueError(f"rounding={spec.rounding!r} needs a PRNG key; got None")
   return axis
@@ -271,9 +275,9 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
   key: PRNG key for random roundings (the same key gives the same bits);
   ignored for nearest.
   """
+  x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
-  q, _, stored, g, n = _element_values(
-      jnp.asarray(x).astype(jnp.float32), spec, axis, key)
+  q, _, stored, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   if n is not None:
     q = _from_blocks(q, axis, n)
   return QArray(q.astype(spec.element_dtype), stored, g, spec,
@@ -310,8 +314,9 @@ _fake_quantize_ste.defvjp(_ste_fwd, _ste_bwd)
 def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
   """quantize(x, spec, axis, key).dequantize(x.dtype), bit for bit, computed
   in float32 without leaving x's layout; straight-through gradient."""
+  x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
-  return _fake_quantize_ste(jnp.asarray(x), spec, axis, key)
+  return _fake_quantize_ste(x, spec, axis, key)
 
 
 def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):
@@ -330,7 +335,7 @@ def pack_fp4(values, axis=-1):
   low nibble, 2i+1 in the high nibble."""
   if values.dtype != jnp.float4_e2m1fn:
     raise TypeError(f"pack_fp4 takes float4_e2m1fn values, got {values.dtype}")
-  axis %= values.ndim
+  axis = _check_axis(axis, values.ndim)
   if values.shape[axis] % 2:
     raise ValueError(f"pack_fp4 needs an even length along axis {axis}, got "
                      f"{values.shape[axis]}")
@@ -346,7 +351,7 @@ def unpack_fp4(packed, axis=-1):
   """
   if packed.dtype != jnp.uint8:
     raise TypeError(f"unpack_fp4 takes uint8, got {packed.dtype}")
-  axis %= packed.ndim
+  axis = _check_axis(axis, packed.ndim)
   pairs = jnp.stack([packed & 0xF, packed >> 4], axis=axis + 1)
   codes = _from_blocks(pairs, axis, 2 * packed.shape[axis])
   return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)

@@ -52,6 +52,11 @@ def _matrix(block, signs, inverse):
 
 def _apply(x, m, block, axis):
   """Multiplies each block along `axis` by m, without moving axes."""
+  dtype = jnp.result_type(x)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"can only rotate real floating arrays, got dtype {dtype}")
+  if not -x.ndim <= axis < x.ndim:
+    raise ValueError(f"axis {axis} out of range for an array of rank {x.ndim}")
   axis %= x.ndim
   n = x.shape[axis]
   if n % block:

@@ -44,7 +44,8 @@ class MetricsLog:
   """Appends metric rows to metrics.jsonl and TensorBoard; prints progress.
 
   `start_step` is the step the run (re)starts from: rows a killed run wrote
-  after it are dropped so the file describes one consistent history.
+  after it (all rows, for a fresh start at step 0, which logs step 0 again)
+  are dropped so the file describes one consistent history.
   """
 
   def __init__(self, workdir, *, total_steps, start_step, enabled=True):
@@ -56,7 +57,7 @@ class MetricsLog:
     self._start_step = start_step
     self._tb = None
     if enabled:
-      _truncate_after(self._path, start_step)
+      _truncate_after(self._path, start_step if start_step else -1)
       self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
 
   def write(self, row):
@@ -67,7 +68,7 @@ class MetricsLog:
       f.write(json.dumps(row) + "\n")
     if self._tb is not None:
       for k, v in row.items():
-        if k != "step" and isinstance(v, (int, float)) and v is not None:
+        if k != "step" and isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, row["step"])
       self._tb.flush()
     self._progress(row)

@@ -113,8 +113,11 @@ class LlamaConfig:
 
   def __post_init__(self):
     layers = self.bf16_layers
-    if isinstance(layers, str):  # "block_0,block_-1" from a command line
-      layers = [name.strip() for name in layers.split(",") if name.strip()]
+    if isinstance(layers, str):
+      layers = (layers,)
+    # "block_0,block_-1" from a command line may arrive as a string or, through
+    # a tuple-typed config field, as a 1-tuple holding that string.
+    layers = [name.strip() for entry in layers for name in str(entry).split(",") if name.strip()]
     object.__setattr__(self, "bf16_layers", tuple(layers))
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                  "mlp_dim", "rope_original_context"):
@@ -259,6 +262,11 @@ def _dense(features, axis, kernel_axes, dot_cls, dtype, name):
       kernel_init=nn.with_logical_partitioning(init, kernel_axes, rules=()))
 
 
+def _dot_cls(recipe, cfg):
+  """The `dot_general_cls` of a linear layer on `recipe` (capturing when cfg.capture_dots)."""
+  return functools.partial(fp4flax.DotGeneral, recipe=recipe, capture=cfg.capture_dots)
+
+
 def _constrain(x, *names):
   """Logical sharding constraint; batch and length axes are always the first two."""
   return nn.with_logical_constraint(x, ("activation_batch", "activation_length") + names)
@@ -273,7 +281,7 @@ class Attention(nn.Module):
   def __call__(self, x_BxLxD):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    dot_cls = functools.partial(fp4flax.DotGeneral, recipe=self.recipe, capture=cfg.capture_dots)
+    dot_cls = _dot_cls(self.recipe, cfg)
     h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q_BxLxHxD = _dense((h, d), -1, ("embed", "heads", "head_dim"), dot_cls, dtype, "q")(x_BxLxD)
     k_BxLxKxD = _dense((kv, d), -1, ("embed", "kv_heads", "head_dim"), dot_cls, dtype, "k")(x_BxLxD)
@@ -294,8 +302,7 @@ class Attention(nn.Module):
     else:
       qk_dot = pv_dot = jax.lax.dot_general
       if cfg.quantize_attention:
-        qk_dot = fp4flax.DotGeneral(recipe=self.recipe, capture=cfg.capture_dots, name="qk")
-        pv_dot = fp4flax.DotGeneral(recipe=self.recipe, capture=cfg.capture_dots, name="pv")
+        qk_dot, pv_dot = dot_cls(name="qk"), dot_cls(name="pv")
       y_BxLxHxD = _causal_gqa(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, qk_dot, pv_dot)
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
     return _dense(cfg.dim, (-2, -1), ("heads", "head_dim", "embed"), dot_cls, dtype, "o")(y_BxLxHxD)
@@ -328,7 +335,7 @@ class Mlp(nn.Module):
   def __call__(self, x_BxLxD):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    dot_cls = functools.partial(fp4flax.DotGeneral, recipe=self.recipe, capture=cfg.capture_dots)
+    dot_cls = _dot_cls(self.recipe, cfg)
     gate_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "gate")(x_BxLxD)
     up_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "up")(x_BxLxD)
     h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
@@ -395,7 +402,7 @@ class Llama(nn.Module):
     head_dot = None
     if cfg.quantize_head:
       head_recipe = recipes.recipe("bf16") if cfg.is_bf16(None) else self.recipe
-      head_dot = functools.partial(fp4flax.DotGeneral, recipe=head_recipe, capture=cfg.capture_dots)
+      head_dot = _dot_cls(head_recipe, cfg)
     logits_BxLxV = _dense(cfg.vocab_size, -1, ("embed", "vocab"), head_dot, dtype, "head")(x_BxLxD)
     logits_BxLxV = _constrain(logits_BxLxV, "activation_vocab")
     return logits_BxLxV.astype(jnp.float32)

@@ -48,10 +48,13 @@ class Hadamard:
   seed: int = 0
 
   def __post_init__(self):
-    if not isinstance(self.block, int) or self.block < 1 or self.block & (self.block - 1):
+    if (isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1
+        or self.block & (self.block - 1)):
       raise ValueError(f"Hadamard block must be a power of two, got {self.block!r}")
     if self.signs not in SIGN_POLICIES:
       raise ValueError(f"Hadamard signs {self.signs!r} not in {SIGN_POLICIES}")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+      raise ValueError(f"Hadamard seed must be an int, got {self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)

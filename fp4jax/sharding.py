@@ -176,6 +176,11 @@ def _shards(mesh: Mesh, logical_name) -> int:
   return math.prod(mesh.shape[a] for a in _rule_axes(logical_name))
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many ways the rules split the batch (data x fsdp)."""
+  return _shards(mesh, "activation_batch")
+
+
 def _linear_layers(model_cfg):
   """(name, input axis, output axis) of one block's quantized linears.
 
@@ -235,7 +240,7 @@ def check_blocks(model_cfg, recipe, mesh: Mesh, *, micro_batch: int,
   (With `quantize_attention`, QK^T and PV contract head_dim and positions,
   which the rules never split, so they cannot straddle devices.)
   """
-  n_batch = _shards(mesh, "activation_batch")
+  n_batch = batch_shards(mesh)
   if micro_batch % n_batch:
     raise ValueError(
         f"micro_batch {micro_batch} is not divisible by the {n_batch} batch "

@@ -59,6 +59,12 @@ def _start(config):
     micro_batch = _micro_batch(config)
     sharding.check_blocks(model_cfg, recipe, mesh, micro_batch=micro_batch,
                           seq_len=config.seq_len)
+    eval_batch = config.eval_batch_size or micro_batch
+    if eval_batch % sharding.batch_shards(mesh):
+      raise ValueError(
+          f"eval batch size {eval_batch} (config.eval_batch_size; 0 = "
+          f"micro_batch) is not divisible by the {sharding.batch_shards(mesh)} "
+          f"batch shards (data x fsdp) of mesh {dict(mesh.shape)}")
     procs = dict(process_index=jax.process_index(),
                  process_count=jax.process_count())
     batches = data.train_iterator(
@@ -66,7 +72,7 @@ def _start(config):
         global_batch=config.batch_size, seed=config.seed, **procs)
     val_local = data.validation_batches(
         config.data, tokenizer, seq_len=config.seq_len,
-        batch_size=config.eval_batch_size or micro_batch,
+        batch_size=eval_batch,
         num_batches=config.eval_batches, **procs)
   except (ValueError, FileNotFoundError, ImportError) as e:
     raise ConfigError(f"bad config: {e}") from e

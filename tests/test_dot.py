@@ -68,12 +68,16 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key):
   As documented, each GEMM's lhs is quantized with its contraction axis last
   (X^T for wgrad); the rhs in its own layout.
   """
-  cdt = jnp.dtype(r.compute_dtype)
+  def exact_in_bf16(spec):
+    return spec is None or (spec.family == "mx" and spec.rounding != "stochastic_dither")
 
   def gemm(role_idx, g, a_FxC, b, b_axis):
     dims = (((1,), (b_axis,)), ((), ()))
     if g.is_plain:
       return lax.dot_general(a_FxC, b, dims)
+    # Documented: float32 compute where bf16 would round a float32 scale factor.
+    exact = exact_in_bf16(g.lhs) and exact_in_bf16(g.rhs)
+    cdt = jnp.dtype(r.compute_dtype if exact else jnp.float32)
     ka, kb, signs = _role_keys(g, key, role_idx)
     qa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, cdt)
     qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
@@ -319,3 +323,16 @@ def test_pallas_backend_matches_xla(name):
   pallas = value_and_grads(pallas_recipe)
   for a, b in zip(xla, pallas):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_arguments_fail_clearly():
+  with pytest.raises(TypeError, match="Recipe"):
+    dot.dot_general("mxfp4")
+  dg = dot.dot_general(recipes.recipe("mxfp4"))
+  x, w = jax.ShapeDtypeStruct((4, 32), jnp.float32), jax.ShapeDtypeStruct((32, 8), jnp.float32)
+  trace = lambda dims: jax.eval_shape(lambda a, b: dg(a, b, dims), x, w)  # errors at trace time
+  with pytest.raises(ValueError, match="out of range for lhs"):
+    trace((((2,), (0,)), ((), ())))
+  with pytest.raises(ValueError, match="out of range for rhs"):
+    trace((((1,), (-3,)), ((), ())))
+  assert trace((((-1,), (-2,)), ((), ()))).shape == (4, 8)

@@ -70,6 +70,9 @@ def test_bad_inputs():
     formats.quantize(jnp.ones((4, 32)), spec, axis=2)
   with pytest.raises(TypeError, match="QuantSpec"):
     formats.quantize(jnp.ones((32,)), "mxfp4")
+  with pytest.raises(TypeError, match="int32"):
+    formats.quantize([1] * 32, spec)           # Python lists go through jnp.asarray
+  np.testing.assert_array_equal(formats.fake_quantize([0.5] * 32, spec), [0.5] * 32)
   with pytest.raises(ValueError, match="random_bits"):
     formats.round_to_element(jnp.ones(3),
                              formats.QuantSpec("mxfp4", rounding="stochastic"))
@@ -185,6 +188,10 @@ def test_pack_errors():
     formats.pack_fp4(jnp.zeros((3,), jnp.float4_e2m1fn))
   with pytest.raises(TypeError, match="float4_e2m1fn"):
     formats.pack_fp4(jnp.zeros((4,), jnp.float32))
+  with pytest.raises(ValueError, match="axis 1 out of range"):
+    formats.pack_fp4(jnp.zeros((4,), jnp.float4_e2m1fn), axis=1)
+  with pytest.raises(ValueError, match="axis -2 out of range"):
+    formats.unpack_fp4(jnp.zeros((4,), jnp.uint8), axis=-2)
 
 
 # --- stochastic rounding ---------------------------------------------------

@@ -84,6 +84,10 @@ def test_errors_and_dtype():
     hadamard.rotate(jnp.ones((4, 32)), 16, signs=jnp.ones(8))
   y = hadamard.rotate(jnp.ones((4, 32), jnp.bfloat16), 16)
   assert y.dtype == jnp.bfloat16 and y.shape == (4, 32)
+  with pytest.raises(ValueError, match="axis 2 out of range"):
+    hadamard.rotate(jnp.ones((4, 32)), 16, axis=2)
+  with pytest.raises(TypeError, match="int32"):
+    hadamard.rotate(jnp.ones((4, 32), jnp.int32), 16)
 
 
 @hypothesis.settings(max_examples=30, deadline=None)

@@ -359,4 +359,7 @@ def test_config_accepts_lists_strings_and_negative_block_names():
   assert cfg.is_bf16(3) and cfg.is_bf16(None) and not cfg.is_bf16(0)
   assert model.model_config("tiny", bf16_layers="block_0, block_-1").bf16_layers == \
       ("block_0", "block_-1")
+  # --config.model.bf16_layers=block_0,head through the tuple-typed config field:
+  assert model.model_config("tiny", bf16_layers=("block_0,head",)).bf16_layers == \
+      ("block_0", "head")
   assert model.model_config("tiny", bf16_layers=("head",), scan_layers=True).is_bf16(None)

@@ -70,10 +70,13 @@ def test_is_random_and_is_plain():
 
 
 def test_validation():
-  with pytest.raises(ValueError, match="power of two"):
-    Hadamard(12)
+  for bad in (12, 0, True, 16.0):
+    with pytest.raises(ValueError, match="power of two"):
+      Hadamard(bad)
   with pytest.raises(ValueError, match="signs"):
     Hadamard(16, "sometimes")
+  with pytest.raises(ValueError, match="seed"):
+    Hadamard(16, "fixed", seed=1.5)
   with pytest.raises(ValueError, match="compute_dtype"):
     Recipe("x", compute_dtype="float16")
   with pytest.raises(ValueError, match="backend"):

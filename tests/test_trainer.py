@@ -260,6 +260,8 @@ def test_target_eval_loss_stops_the_run_and_records_tokens(tmp_path):
     ("data.path", "/no/such/dir/*.json.gz", "matches no files"),
     ("data.tokenizer", "/no/such/tokenizer.json", "tokenizer"),
     ("micro_batch", 3, "micro_batch 3 must divide batch_size 8"),
+    ("eval_batch_size", 4, "eval batch size 4 (config.eval_batch_size; 0 = micro_batch) "
+     "is not divisible by the 8 batch shards"),
     ("dtype", "float16", "dtype 'float16'"),
 ])
 def test_bad_config_values_fail_at_start_with_a_clear_message(

@@ -28,8 +28,8 @@ from fp4jax import dot, recipes
 _DIMS = (((1,), (0,)), ((), ()))
 
 
-def _fwd_bwd(f):
-  """jit(x, w, dy -> (y, dx, dw)) for y = f(x, w)."""
+def fwd_bwd(f):
+  """jit(x, w, dy -> (y, dx, dw)) for y = f(x, w) (also used by fp4jax.bench.kernels)."""
   def step(x, w, dy):
     y, vjp = jax.vjp(f, x, w)
     return (y,) + vjp(dy)
@@ -85,7 +85,7 @@ def main(argv):
   if qwix is not None:
     variants[qwix[0]] = qwix[1]
 
-  fns = {k: _fwd_bwd(f) for k, f in variants.items()}
+  fns = {k: fwd_bwd(f) for k, f in variants.items()}
   for f in fns.values():
     jax.block_until_ready(f(x, w, dy))
   best = {k: float("inf") for k in fns}

@@ -36,6 +36,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from fp4jax import dot, formats, hadamard, recipes
+from fp4jax.bench.dot_general import fwd_bwd
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
 
@@ -72,14 +73,6 @@ def _quant_variants(on_gpu):
   return out
 
 
-def _fwd_bwd(f):
-  """jit(x, w, dy -> (y, dx, dw)) for y = f(x, w)."""
-  def step(x, w, dy):
-    y, vjp = jax.vjp(f, x, w)
-    return (y,) + vjp(dy)
-  return jax.jit(step)
-
-
 def _linear_variants(backends):
   out = {"linear bf16 (lax.dot_general)": lambda x, w: lax.dot_general(
       x, w, _DIMS, preferred_element_type=jnp.float32).astype(x.dtype)}
@@ -87,7 +80,7 @@ def _linear_variants(backends):
     r = dataclasses.replace(recipes.recipe("mxfp4-dh16"), backend=backend)
     dg = dot.dot_general(r)
     out[f"linear mxfp4-dh16 ({backend})"] = lambda x, w, dg=dg: dg(x, w, _DIMS)
-  return {name: _fwd_bwd(f) for name, f in out.items()}
+  return {name: fwd_bwd(f) for name, f in out.items()}
 
 
 def _packed(x):

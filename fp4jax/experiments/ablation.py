@@ -1,0 +1,183 @@
+"""The staged ablation of arXiv 2605.09825 as one command.
+
+  python -m fp4jax.experiments.ablation --config=configs/ablation_tiny.py \\
+      --workdir=runs/ablation
+
+trains the same model on the same data with the same seed once per recipe in
+`config.ablation.recipes` (each in WORKDIR/<recipe>, or WORKDIR/<recipe>_seed<N>
+with several seeds), with the diagnostics callback of fp4jax.diagnostics on
+chosen layers, then writes WORKDIR/table.md, curves.png and the diagnostics
+figures (fp4jax.experiments.report). Finished runs are skipped; an interrupted
+one resumes from its checkpoint, so the command can simply be run again.
+
+Config: a trainer config (fp4jax.train_config.base_config) plus
+  ablation.recipes       comma-separated preset names (DEFAULT_RECIPES)
+  ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
+  ablation.baseline      recipe whose final validation loss is the target ("fp8")
+  ablation.target_at     the target is the baseline's validation loss at this
+                         fraction of its tokens (1.0: its final loss)
+  ablation.target_loss   the target instead, if set
+  ablation.diverge_loss  a run ending above it is diverged (None: halfway
+                         between the baseline's initial and final loss)
+  ablation.zoom          share of the tokens the zoomed panel of curves.png shows
+  diagnostics.enabled, .layers (comma-separated module paths; "" = first block's
+  q and last block's down), .every, .window, .ref_batch_size (0 = batch_size).
+The runs ignore config.target_eval_loss (every run uses its whole budget).
+"""
+
+import copy
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import ml_collections
+from ml_collections import config_dict
+from ml_collections import config_flags
+
+from fp4jax import data
+from fp4jax import diagnostics
+from fp4jax import model as model_lib
+from fp4jax import recipes as recipes_lib
+from fp4jax import train_config
+from fp4jax import trainer
+from fp4jax.experiments import report
+
+DEFAULT_RECIPES = ("bf16", "fp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4", "mxfp4-sr",
+                   "mxfp4-rh16", "mxfp4-dh16", "mxfp4-dh32")
+_OWN_KEYS = ("ablation", "diagnostics")
+
+
+def ablation_config() -> ml_collections.ConfigDict:
+  """Defaults of the `ablation` block (see the module docstring)."""
+  return ml_collections.ConfigDict(dict(
+      recipes=",".join(DEFAULT_RECIPES), seeds=1, baseline="fp8",
+      target_loss=config_dict.placeholder(float), target_at=1.0,
+      diverge_loss=config_dict.placeholder(float), zoom=0.5))
+
+
+def diagnostics_config() -> ml_collections.ConfigDict:
+  """Defaults of the `diagnostics` block (see the module docstring)."""
+  return ml_collections.ConfigDict(dict(
+      enabled=True, layers="", every=50, window=4, ref_batch_size=0))
+
+
+def recipe_list(config) -> list[str]:
+  """The recipes of config.ablation.recipes; unknown names raise ValueError."""
+  names = [n.strip() for n in config.ablation.recipes.split(",") if n.strip()]
+  if not names:
+    raise ValueError("config.ablation.recipes is empty")
+  for name in names:
+    recipes_lib.recipe(name)
+  if config.ablation.target_loss is None and config.ablation.baseline not in names:
+    raise ValueError(f"the baseline {config.ablation.baseline!r} is not among the recipes "
+                     f"{names}; add it or set config.ablation.target_loss")
+  return names
+
+
+def run_config(config, recipe, seed) -> ml_collections.ConfigDict:
+  """The trainer config of one run: `config` without the ablation's own blocks."""
+  cfg = copy.deepcopy(config)
+  with cfg.unlocked():
+    for key in _OWN_KEYS:
+      if key in cfg:
+        del cfg[key]
+  cfg.quant.name = recipe
+  cfg.seed = seed
+  cfg.target_eval_loss = None
+  return cfg
+
+
+def diagnostics_callback(config, cfg):
+  """The fp4jax.diagnostics callback for the run config `cfg` (None if disabled)."""
+  diag = config.diagnostics
+  if not diag.enabled:
+    return None
+  tokenizer = data.make_tokenizer(cfg.data.tokenizer)
+  model_cfg, recipe = train_config.resolve(cfg, tokenizer)
+  ref_batch = data.validation_batches(
+      cfg.data, tokenizer, seq_len=cfg.seq_len,
+      batch_size=diag.ref_batch_size or cfg.batch_size, num_batches=1)[0]
+  layers = [n.strip() for n in diag.layers.split(",") if n.strip()] or None
+  return diagnostics.make_callback(
+      model_lib.Llama(model_cfg, recipe), ref_batch, layers=layers,
+      every=diag.every, window=diag.window, seed=cfg.seed)
+
+
+def _status(path):
+  summary = os.path.join(path, "summary.json")
+  if not os.path.exists(summary):
+    return None
+  with open(summary) as f:
+    return json.load(f)["status"]
+
+
+def _add_wall(path, seconds):
+  """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)."""
+  file = os.path.join(path, "wall.json")
+  total = 0.0
+  if os.path.exists(file):
+    with open(file) as f:
+      total = json.load(f)["wall_s"]
+  with open(file, "w") as f:
+    json.dump({"wall_s": total + seconds}, f)
+
+
+def run_ablation(config, workdir) -> list:
+  """Runs (or resumes) every run of the ablation, then writes the report; returns its rows."""
+  names = recipe_list(config)
+  if config.ablation.seeds < 1:
+    raise ValueError(f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
+  seeds = [config.seed + i for i in range(config.ablation.seeds)]
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "ablation_config.json"), "w") as f:
+    f.write(config.to_json(indent=2))
+  for seed in seeds:
+    for name in names:
+      path = report.run_dir(workdir, name, seed, len(seeds))
+      status = _status(path)
+      if status not in (None, "interrupted"):
+        print(f"ablation: {path} already {status}, skipped", flush=True)
+        continue
+      cfg = run_config(config, name, seed)
+      callback = diagnostics_callback(config, cfg)
+      print(f"ablation: training {name} (seed {seed}) in {path}", flush=True)
+      t0 = time.time()
+      try:
+        summary = trainer.train(cfg, path, callbacks=[callback] if callback else [])
+      finally:
+        _add_wall(path, time.time() - t0)
+      if summary["status"] == "interrupted":
+        print("ablation: interrupted; run the same command again to resume", flush=True)
+        return _report(config, workdir, names)
+  return _report(config, workdir, names)
+
+
+def _report(config, workdir, names):
+  ab = config.ablation
+  rows = report.write_report(
+      workdir, names, baseline=ab.baseline, target=ab.target_loss,
+      diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
+      window=config.diagnostics.window if config.diagnostics.enabled else None)
+  with open(os.path.join(workdir, "table.md")) as f:
+    print(f.read(), flush=True)
+  return rows
+
+
+def main(argv):
+  del argv
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if config is None or workdir is None:
+    raise app.UsageError("--config and --workdir are required")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  run_ablation(config, workdir)
+
+
+if __name__ == "__main__":
+  # Flags are defined here, not at import: config files import this module.
+  config_flags.DEFINE_config_file("config", None, "ablation config file", lock_config=True)
+  flags.DEFINE_string("workdir", None, "directory of the ablation's runs")
+  app.run(main)

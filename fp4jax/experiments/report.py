@@ -1,0 +1,316 @@
+"""The ablation's outputs, read back from its run directories.
+
+`load_runs` reads WORKDIR/<run>/metrics.jsonl (and summary.json, wall.json);
+`summarize` turns the validation curves into the table's rows (tokens to
+target, overhead, divergence, paired against the baseline of the same seed);
+`write_report` writes table.md and the figures of fp4jax.experiments.plots.
+
+`python -m fp4jax.experiments.report WORKDIR [--target=LOSS] [--target_at=F]`
+redraws them from whatever runs have finished (or are still going).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+from fp4jax.experiments import plots
+from fp4jax.experiments import tokens_to_target as ttt
+from fp4jax.metrics_log import read_metrics
+
+# Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (research.md).
+PAPER = {
+    "bf16": "-", "fp8": "baseline", "mxfp4-fprop": "8-9% (?)",
+    "mxfp4-fprop-dgrad": "10-11%", "mxfp4": "26-27%", "mxfp4-sr": "diverges",
+    "mxfp4-rh16": "diverges", "mxfp4-dh16": "8-9%", "mxfp4-dh32": "8-9%",
+}
+_SEED_DIR = re.compile(r"(.+)_seed(\d+)$")
+
+
+@dataclasses.dataclass
+class Run:
+  """One training run of the ablation.
+
+  tokens_T, loss_T: its validation curve; status: the trainer's summary
+  status (None while running; "diverged" when it gave up on non-finite
+  steps); wall_s: seconds the ablation spent on it (wall.json).
+  """
+  recipe: str
+  seed: int
+  path: str
+  rows: list
+  tokens_T: np.ndarray
+  loss_T: np.ndarray
+  status: str | None
+  skipped_steps: int
+  wall_s: float | None
+
+  @property
+  def finished(self) -> bool:
+    return self.status not in (None, "interrupted")
+
+  @property
+  def final_loss(self) -> float:
+    return float(self.loss_T[-1]) if self.loss_T.size else math.nan
+
+
+def run_dir(workdir, recipe, seed, n_seeds):
+  """WORKDIR/<recipe> for one seed, WORKDIR/<recipe>_seed<N> for several."""
+  return os.path.join(workdir, recipe if n_seeds == 1 else f"{recipe}_seed{seed}")
+
+
+def _read_json(path):
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_run(path, recipe, seed) -> Run | None:
+  """The Run in `path` (metrics.jsonl, summary.json, wall.json), or None before its first row."""
+  rows = read_metrics(path)
+  if not rows:
+    return None
+  evals = [(r["tokens"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+  tokens_T = np.array([t for t, _ in evals], np.float64)
+  loss_T = np.array([l for _, l in evals], np.float64)
+  summary = _read_json(os.path.join(path, "summary.json"))
+  wall = _read_json(os.path.join(path, "wall.json"))
+  skipped = max(int(r.get("skipped_steps") or 0) for r in rows)
+  return Run(recipe, seed, path, rows, tokens_T, loss_T, summary and summary["status"],
+             skipped, wall and wall["wall_s"])
+
+
+def load_runs(workdir, recipes=None) -> dict:
+  """{recipe: [Run, ...]} for the run directories in `workdir` (in `recipes` order)."""
+  found = {}
+  for name in sorted(os.listdir(workdir)):
+    path = os.path.join(workdir, name)
+    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+      continue
+    match = _SEED_DIR.fullmatch(name)
+    recipe, seed = (match.group(1), int(match.group(2))) if match else (name, None)
+    run = load_run(path, recipe, seed)
+    if run is not None:
+      found.setdefault(recipe, []).append(run)
+  order = list(recipes or []) + sorted(set(found) - set(recipes or []))
+  return {r: found[r] for r in order if r in found}
+
+
+@dataclasses.dataclass
+class Row:
+  """One recipe's line of the table (means and spreads over its seeds)."""
+  recipe: str
+  n: int
+  final_loss: tuple
+  delta_loss: tuple | None
+  tokens: tuple | None
+  reached: int
+  overhead: tuple | None
+  diverged: int
+  skipped: int
+  wall_s: float | None
+  finished: int
+
+
+def _mean_spread(values):
+  values = np.asarray(values, np.float64)
+  return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def target_note(baseline, target_given, target_at):
+  """How the target was chosen, in words (for table.md)."""
+  if target_given:
+    return "set explicitly"
+  if target_at == 1:
+    return f"the final validation loss of the baseline `{baseline}`"
+  return f"the validation loss of the baseline `{baseline}` at {target_at:.0%} of its tokens"
+
+
+def summarize(runs, baseline="fp8", target=None, diverge_loss=None, target_at=1.0):
+  """Table rows for {recipe: [Run]}; returns (rows, targets {seed: loss}, diverge_loss).
+
+  Runs are compared with the baseline run of the same seed (same data order
+  and initialisation). target: default, per seed, the baseline's validation
+  loss at `target_at` of its tokens, interpolated (1.0: its final loss); a
+  target the baseline reaches before its budget ends leaves the other recipes
+  room to reach it too (the paper's runs stop at the MLPerf target). Overhead is
+  against the same seed's baseline tokens; a seed without a baseline run uses
+  the mean target and tokens.
+  diverge_loss: a finished run ending above it is diverged; default halfway
+  between the baseline's first and final validation loss (a run that gave
+  back half of what training gained). A run with a non-finite loss, or that
+  the trainer stopped for non-finite steps, is diverged too.
+  """
+  base = runs.get(baseline) or []
+  if target is not None:
+    targets = {None: float(target)}
+  elif not base:
+    raise ValueError(f"no runs of the baseline {baseline!r} to take the target from; "
+                     "give the target loss explicitly")
+  else:
+    targets = {r.seed: float(np.interp(target_at * r.tokens_T[-1], r.tokens_T, r.loss_T))
+               for r in base}
+  mean_target = float(np.mean(list(targets.values())))
+  if diverge_loss is None and base and base[0].loss_T.size:
+    diverge_loss = float(np.mean([(r.loss_T[0] + r.final_loss) / 2 for r in base]))
+
+  def outcome(run):
+    if not run.loss_T.size:
+      return ttt.Outcome(None, False)
+    return ttt.tokens_to_target(run.tokens_T, run.loss_T, targets.get(run.seed, mean_target),
+                                diverge_loss if run.finished else None)
+
+  outcomes = {recipe: [outcome(r) for r in rs] for recipe, rs in runs.items()}
+  base_final = {r.seed: r.final_loss for r in base}
+  base_tokens = {r.seed: o.tokens for r, o in zip(base, outcomes.get(baseline, []))
+                 if o.tokens is not None}
+  mean_base_tokens = float(np.mean(list(base_tokens.values()))) if base_tokens else None
+  rows = []
+  for recipe, rs in runs.items():
+    outs = outcomes[recipe]
+    reached = [o.tokens for o in outs if o.tokens is not None]
+    overheads = [ttt.overhead(o.tokens, base_tokens.get(r.seed, mean_base_tokens))
+                 for r, o in zip(rs, outs) if o.tokens is not None]
+    overheads = [x for x in overheads if x is not None]
+    walls = [r.wall_s for r in rs if r.wall_s is not None]
+    deltas = [r.final_loss - base_final[r.seed] for r in rs if r.seed in base_final]
+    rows.append(Row(
+        recipe=recipe, n=len(rs),
+        final_loss=_mean_spread([r.final_loss for r in rs]),
+        delta_loss=_mean_spread(deltas) if deltas else None,
+        tokens=_mean_spread(reached) if reached else None, reached=len(reached),
+        overhead=_mean_spread(overheads) if overheads else None,
+        diverged=sum(o.diverged or r.status == "diverged" for o, r in zip(outs, rs)),
+        skipped=sum(r.skipped_steps for r in rs),
+        wall_s=float(np.mean(walls)) if walls else None,
+        finished=sum(r.finished for r in rs)))
+  return rows, targets, diverge_loss
+
+
+def _fmt(ms, fmt, scale=1.0, unit=""):
+  """'mean ± spread' (the spread only when nonzero), '-' for None, 'nan' for NaN."""
+  if ms is None:
+    return "-"
+  mean, spread = ms
+  if not math.isfinite(mean):
+    return "nan"
+  out = f"{mean * scale:{fmt}}{unit}"
+  return out + (f" ± {abs(spread) * scale:{fmt.lstrip('+')}}{unit}" if spread else "")
+
+
+def write_table(path, rows, targets, diverge_loss, note, diag=None):
+  """Writes table.md: one line per recipe, the paper's overhead beside ours.
+
+  targets: {seed: target loss}; note: how the target was chosen
+  (target_note). diag: optional {recipe: {column: value}}, a second table.
+  """
+  seeds = max((r.n for r in rows), default=1)
+  values = ", ".join(f"{t:.4f}" + ("" if s is None else f" (seed {s})")
+                     for s, t in sorted(targets.items(), key=lambda kv: str(kv[0])))
+  lines = [
+      f"Target: validation loss {values} ({note}); overhead = tokens to target / the "
+      f"same seed's baseline tokens - 1; diverged = non-finite loss, stopped on "
+      f"non-finite steps, or final loss > "
+      f"{diverge_loss if diverge_loss is None else round(diverge_loss, 4)}."
+      + (f" Values: mean ± std over {seeds} seeds." if seeds > 1 else ""), "",
+      "| recipe | final val loss | vs baseline (same seed) | tokens to target "
+      "| overhead vs baseline | diverged? | skipped steps | wall time (s) "
+      "| paper (8B, C4): extra tokens vs FP8 |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    tokens = _fmt(r.tokens, ",.0f")
+    if r.reached < r.n:
+      tokens = "not reached" if not r.reached else f"{tokens} ({r.reached}/{r.n} reached)"
+    diverged = ("yes" if r.diverged == r.n else f"{r.diverged}/{r.n}") if r.diverged else "no"
+    unfinished = "" if r.finished == r.n else f" (running: {r.n - r.finished}/{r.n})"
+    lines.append(
+        f"| {r.recipe}{unfinished} | {_fmt(r.final_loss, '.4f')} | "
+        f"{_fmt(r.delta_loss, '+.4f')} | {tokens} | "
+        f"{_fmt(r.overhead, '+.1f', 100, '%')} | {diverged} | "
+        f"{r.skipped} | {'-' if r.wall_s is None else f'{r.wall_s:.0f}'} | "
+        f"{PAPER.get(r.recipe, '')} |")
+  if diag:
+    cols = list(next(iter(diag.values())))
+    lines += ["", "Wgrad error diagnostics (mean over measured steps and layers):", "",
+              "| recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for recipe, values in diag.items():
+      lines.append(f"| {recipe} | " + " | ".join(
+          "-" if values[c] is None else f"{values[c]:.3f}" for c in cols) + " |")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+DIAG_COLUMNS = {
+    "wgrad out err (ref)": ("ref", "wgrad", "out_err"),
+    "wgrad bias (train)": ("train", "wgrad", "bias"),
+    "wgrad bias (ref)": ("ref", "wgrad", "bias"),
+    "wgrad step cos (train)": ("train", "wgrad", "step_cos"),
+    "wgrad step cos (ref)": ("ref", "wgrad", "step_cos"),
+    "fprop out err (ref)": ("ref", "fprop", "out_err"),
+    "dgrad out err (ref)": ("ref", "dgrad", "out_err"),
+}
+
+
+def diag_summary(runs):
+  """{recipe: {column of DIAG_COLUMNS: mean over its runs, layers and steps}}."""
+  out = {}
+  for recipe, rs in runs.items():
+    values = {c: [] for c in DIAG_COLUMNS}
+    for run in rs:
+      for key, (_, v) in plots.diag_series(run.rows).items():
+        source, _, role, stat = plots.parse_key(key)
+        for col, want in DIAG_COLUMNS.items():
+          if (source, role, stat) == want:
+            values[col].extend(v[np.isfinite(v)])
+    if any(values.values()):
+      out[recipe] = {c: float(np.mean(v)) if v else None for c, v in values.items()}
+  return out
+
+
+def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_loss=None,
+                 zoom=0.5, window=None, target_at=1.0):
+  """Writes table.md, curves.png, diagnostics.png and <run>/diagnostics.png; returns rows."""
+  runs = load_runs(workdir, recipes)
+  if not runs:
+    raise ValueError(f"no runs with metrics.jsonl under {workdir!r}")
+  note = target_note(baseline, target is not None, target_at)
+  rows, targets, diverge_loss = summarize(runs, baseline, target, diverge_loss, target_at)
+  diag = diag_summary(runs)
+  write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag)
+  plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
+                    float(np.mean(list(targets.values()))), baseline)
+  plots.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
+  for rs in runs.values():
+    for run in rs:
+      plots.plot_diagnostics(os.path.join(run.path, "diagnostics.png"), run)
+  return rows
+
+
+def main(argv):
+  """Redraws the report; defaults come from WORKDIR/ablation_config.json when present."""
+  if len(argv) < 2:
+    sys.exit("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "
+             "[--target_at=FRACTION] [--baseline=NAME]")
+  workdir = argv[1]
+  saved = _read_json(os.path.join(workdir, "ablation_config.json")) or {}
+  ab, diag = saved.get("ablation", {}), saved.get("diagnostics", {})
+  opts = dict(a[2:].split("=", 1) for a in argv[2:])
+  target = opts.get("target", ab.get("target_loss"))
+  write_report(
+      workdir, ab["recipes"].split(",") if "recipes" in ab else None,
+      baseline=opts.get("baseline", ab.get("baseline", "fp8")),
+      target=None if target is None else float(target),
+      diverge_loss=ab.get("diverge_loss"), zoom=ab.get("zoom", 0.5),
+      window=diag.get("window") if diag.get("enabled") else None,
+      target_at=float(opts.get("target_at", ab.get("target_at", 1.0))))
+  with open(os.path.join(workdir, "table.md")) as f:
+    print(f.read())
+
+
+if __name__ == "__main__":
+  main(sys.argv)

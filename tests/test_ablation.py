@@ -1,0 +1,126 @@
+"""A two-recipe, few-step ablation end to end, and the report on hand-made runs."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fp4jax.experiments import ablation
+from fp4jax.experiments import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_ablation_config():
+  spec = importlib.util.spec_from_file_location(
+      "ablation_tiny", os.path.join(ROOT, "configs", "ablation_tiny.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.model.n_layers = 1
+  config.steps = 4
+  config.batch_size = 8
+  config.seq_len = 32
+  config.warmup_steps = 1
+  config.eval_every = 2
+  config.eval_batches = 1
+  config.eval_batch_size = 8
+  config.checkpoint_every = 100
+  config.async_checkpointing = False
+  config.ablation.recipes = "bf16,fp8"
+  config.diagnostics.layers = "block_0/mlp/down"
+  config.diagnostics.every = 3
+  config.diagnostics.window = 2
+  return config
+
+
+def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
+  config = _tiny_ablation_config()
+  rows = ablation.run_ablation(config, str(tmp_path))
+  assert [r.recipe for r in rows] == ["bf16", "fp8"]
+  for name in ("table.md", "curves.png", "diagnostics.png", "bf16/diagnostics.png",
+               "fp8/diagnostics.png", "fp8/wall.json", "ablation_config.json"):
+    assert (tmp_path / name).is_file(), name
+  # The target is fp8's own loss at 75% of its tokens, so fp8 has zero overhead.
+  assert rows[1].reached == 1 and rows[1].overhead == (0.0, 0.0)
+  table = (tmp_path / "table.md").read_text()
+  assert "| bf16 |" in table and "| fp8 |" in table and "baseline" in table
+  metrics = [json.loads(l) for l in (tmp_path / "fp8" / "metrics.jsonl").read_text().split("\n")
+             if l]
+  diag = {k for row in metrics for k in row if k.startswith("diag/")}
+  assert "diag/train/block_0/mlp/down/fprop/out_err" not in diag  # wgrad only on train
+  measured = lambda key: {r["step"] for r in metrics if key in r}
+  assert measured("diag/ref/block_0/mlp/down/fprop/out_err") == {1, 3, 4}  # step % 3 < 2
+  assert measured("diag/train/block_0/mlp/down/wgrad/bias") == {4}
+  assert measured("diag/ref/block_0/mlp/down/dgrad/step_cos") == {4}
+  assert json.loads((tmp_path / "fp8" / "config.json").read_text())["seed"] == config.seed
+
+  capsys.readouterr()
+  before = (tmp_path / "fp8" / "metrics.jsonl").read_text()
+  ablation.run_ablation(config, str(tmp_path))
+  assert "already completed, skipped" in capsys.readouterr().out
+  assert (tmp_path / "fp8" / "metrics.jsonl").read_text() == before
+
+
+def test_bad_recipe_or_missing_baseline_fails_at_start():
+  config = _tiny_ablation_config()
+  config.ablation.recipes = "fp8,mxfp5"
+  with pytest.raises(ValueError, match="unknown recipe"):
+    ablation.recipe_list(config)
+  config.ablation.recipes = "bf16,mxfp4"
+  with pytest.raises(ValueError, match="baseline"):
+    ablation.recipe_list(config)
+
+
+def _fake_run(workdir, name, losses, status="completed", tokens_per_eval=100):
+  path = os.path.join(workdir, name)
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, loss in enumerate(losses):
+      f.write(json.dumps({"step": i, "tokens": i * tokens_per_eval, "eval_loss": loss}) + "\n")
+  with open(os.path.join(path, "summary.json"), "w") as f:
+    json.dump({"status": status}, f)
+
+
+def test_report_on_synthetic_runs(tmp_path):
+  workdir = str(tmp_path)
+  _fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0])
+  _fake_run(workdir, "fp8_seed1", [5.0, 4.0, 3.0, 2.0])
+  _fake_run(workdir, "mxfp4_seed0", [5.0, 4.5, 3.5, 2.5, 1.5])
+  _fake_run(workdir, "mxfp4_seed1", [5.0, 4.0, 3.0, 2.5, 2.0])
+  _fake_run(workdir, "mxfp4-sr_seed0", [5.0, 4.5, float("nan")])
+  _fake_run(workdir, "mxfp4-sr_seed1", [5.0, 4.5, 4.2], status="diverged")
+  rows = report.write_report(workdir, ["fp8", "mxfp4", "mxfp4-sr"])
+  by = {r.recipe: r for r in rows}
+  assert by["fp8"].tokens == (300.0, 0.0) and by["fp8"].n == 2
+  # mxfp4 reaches loss 2.0 at 350 (interpolated) and at 400 tokens.
+  assert by["mxfp4"].tokens[0] == pytest.approx(375.0)
+  assert by["mxfp4"].overhead[0] == pytest.approx(0.25)
+  assert by["mxfp4"].overhead[1] == pytest.approx(np.std([350 / 300 - 1, 400 / 300 - 1], ddof=1))
+  assert by["mxfp4"].delta_loss[0] == pytest.approx(-0.25)  # paired by seed: -0.5 and 0
+  assert by["mxfp4-sr"].diverged == 2 and by["mxfp4-sr"].tokens is None
+  table = (tmp_path / "table.md").read_text()
+  assert "+25.0% ± 11.8%" in table and "not reached" in table
+  assert (tmp_path / "curves.png").stat().st_size < 300_000
+  # Target at half of fp8's tokens: loss 3.5 (at 150 tokens); mxfp4 reaches it at 200 and 150.
+  runs = report.load_runs(workdir, ["fp8", "mxfp4"])
+  rows, targets, _ = report.summarize(runs, "fp8", target_at=0.5)
+  assert targets == {0: pytest.approx(3.5), 1: pytest.approx(3.5)}
+  assert rows[1].tokens[0] == pytest.approx(175.0)
+
+
+def test_runs_are_compared_with_the_same_seeds_baseline(tmp_path):
+  """Each seed has its own target and baseline tokens: a recipe 25% slower
+  than fp8 on every seed shows +25% with no spread, whatever the seeds do."""
+  workdir = str(tmp_path)
+  _fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=100)
+  _fake_run(workdir, "fp8_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=100)
+  _fake_run(workdir, "mxfp4_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=125)
+  _fake_run(workdir, "mxfp4_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=125)
+  rows, targets, _ = report.summarize(report.load_runs(workdir), "fp8")
+  assert targets == {0: 2.0, 1: 3.0}
+  mxfp4 = {r.recipe: r for r in rows}["mxfp4"]
+  assert mxfp4.overhead[0] == pytest.approx(0.25) and mxfp4.overhead[1] == pytest.approx(0.0)
+  assert mxfp4.delta_loss == (0.0, 0.0)

@@ -1,0 +1,184 @@
+"""fp4jax.diagnostics on cases whose answer is known."""
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import flax.linen as nn
+import pytest
+
+from fp4jax import diagnostics as D
+from fp4jax import formats
+from fp4jax import model as model_lib
+from fp4jax import recipes
+
+
+def test_relative_error_and_cosine():
+  e = jnp.array([3.0, 4.0])
+  assert D.relative_error(e * 1.1, e) == pytest.approx(0.1, rel=1e-5)
+  assert D.cosine(e, 2 * e) == pytest.approx(1.0)
+  assert D.cosine(e, jnp.array([-4.0, 3.0])) == pytest.approx(0.0, abs=1e-7)
+  assert np.isnan(D.cosine(e, jnp.zeros(2)))
+
+
+def test_fixed_error_has_bias_one():
+  e = jax.random.normal(jax.random.key(0), (64, 32))
+  assert D.error_bias([e] * 8) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("k", [4, 16])
+def test_random_sign_error_has_bias_one_over_sqrt_k(k):
+  e = jax.random.normal(jax.random.key(0), (20000,))
+  signs = jax.random.rademacher(jax.random.key(1), (k, 20000), jnp.float32)
+  assert D.error_bias(signs * e) == pytest.approx(1 / np.sqrt(k), rel=0.05)
+
+
+def test_error_window_reports_on_consecutive_steps():
+  win = D.ErrorWindow(3)
+  e = np.ones((4, 4), np.float32)
+  assert win.add(10, e) == {}
+  assert win.add(11, -e) == {"step_cos": pytest.approx(-1.0)}
+  out = win.add(12, e)
+  assert out["step_cos"] == pytest.approx(-1.0)
+  assert out["bias"] == pytest.approx(1 / 3)
+  assert win.add(20, e) == {}  # a gap: no predecessor, window not consecutive
+  assert win.add(21, 2 * e) == {"step_cos": pytest.approx(1.0)}
+  assert win.add(22, e)["bias"] == pytest.approx(1.0)
+  zero = D.ErrorWindow(2)
+  zero.add(0, 0 * e)
+  assert zero.add(1, 0 * e) == {}  # undefined statistics are left out
+
+
+def test_as_matrices_reads_dense_general_layouts():
+  x, w, dy = jnp.ones((2, 8, 64)), jnp.ones((64, 4, 16)), jnp.ones((2, 8, 4, 16))
+  assert [a.shape for a in D.as_matrices(x, w, dy)] == [(16, 64), (64, 64), (16, 64)]
+  x, w, dy = jnp.ones((2, 8, 4, 16)), jnp.ones((4, 16, 32)), jnp.ones((2, 8, 32))
+  assert [a.shape for a in D.as_matrices(x, w, dy)] == [(16, 64), (64, 32), (16, 32)]
+  with pytest.raises(ValueError, match="linear layer"):
+    D.as_matrices(jnp.ones((2, 8)), jnp.ones((4, 3)), jnp.ones((2, 3)))
+
+
+def _stats(name, *operands):
+  return jax.jit(functools.partial(D.gemm_stats, recipes.recipe(name)))(*operands)
+
+
+def _operands(m=64, k=64, n=32):
+  keys = jax.random.split(jax.random.key(3), 3)
+  return (jax.random.normal(keys[0], (m, k)), jax.random.normal(keys[1], (k, n)) * 0.1,
+          jax.random.normal(keys[2], (m, n)) * 1e-3)
+
+
+def test_unquantized_recipe_has_no_error():
+  stats, errors = _stats("bf16", *_operands())
+  for role in D.ROLES:
+    assert float(stats[role]["out_err"]) < 1e-6  # float32 round-off of the exact GEMM
+    assert float(stats[role]["lhs_err"]) == 0.0 and float(stats[role]["rhs_err"]) == 0.0
+    assert float(jnp.max(jnp.abs(errors[role]))) < 1e-6
+
+
+def test_wgrad_statistics_match_a_hand_written_reference():
+  x, w, dy = _operands()
+  recipe = recipes.recipe("mxfp4")
+  spec = recipe.wgrad.lhs
+  xq, dyq = formats.fake_quantize(x, spec, axis=0), formats.fake_quantize(dy, spec, axis=0)
+  dw_q, dw = xq.T @ dyq, x.T @ dy
+  stats, errors = _stats("mxfp4", x, w, dy)
+  np.testing.assert_allclose(errors["wgrad"], dw_q - dw, rtol=1e-4, atol=1e-7)
+  assert float(stats["wgrad"]["lhs_err"]) == pytest.approx(
+      float(jnp.linalg.norm(xq - x) / jnp.linalg.norm(x)), rel=1e-5)
+  assert float(stats["wgrad"]["out_err"]) == pytest.approx(
+      float(jnp.linalg.norm(dw_q - dw) / jnp.linalg.norm(dw)), rel=1e-4)
+  assert 0.9 < float(stats["wgrad"]["out_cos"]) < 1.0
+
+
+def test_rotated_operand_error_is_measured_in_the_rotated_basis():
+  x, w, dy = _operands()
+  stats, _ = _stats("mxfp4-dh16", x, w, dy)
+  plain, _ = _stats("mxfp4", x, w, dy)
+  for role in D.ROLES:
+    assert 0.01 < float(stats[role]["lhs_err"]) < 0.5
+    assert float(stats[role]["out_err"]) != float(plain[role]["out_err"])
+
+
+def test_measured_operands_are_the_ones_the_gemm_used():
+  """role_operands (same keys, same layout as dot.py) returns exactly the
+  operands the quantized GEMM multiplied: checked on `quartet`, whose backward
+  uses stochastic rounding and random Hadamard signs."""
+  name, key = "quartet", jax.random.key(5)
+  recipe = recipes.recipe(name)
+  x, w, dy = _operands()
+  _, errors = _stats(name, x, w, dy, key)
+  cases = {"fprop": ((x, w, 1, 0), lambda a, b: a @ b, x @ w),
+           "dgrad": ((dy, w, 1, 1), lambda a, b: a @ b.T, dy @ w.T),
+           "wgrad": ((x.T, dy, 1, 0), lambda a, b: a @ b, x.T @ dy)}
+
+  @jax.jit
+  def outputs(key):
+    out = {}
+    for i, role in enumerate(D.ROLES):
+      operands, product, _ = cases[role]
+      (a_q, _), (b_q, _) = D.role_operands(recipe, role, *operands, jax.random.fold_in(key, i))
+      out[role] = product(a_q.astype(jnp.float32), b_q.astype(jnp.float32))
+    return out
+
+  for role, out in outputs(key).items():
+    np.testing.assert_allclose(errors[role] + cases[role][2], out,
+                               atol=1e-5 * float(jnp.abs(out).max()))
+
+
+def _tiny_model(recipe):
+  cfg = model_lib.model_config("tiny", n_layers=1, vocab_size=64)
+  return model_lib.Llama(cfg, recipes.recipe(recipe) if isinstance(recipe, str) else recipe)
+
+
+def test_capture_gives_the_layer_gradient():
+  """X^T dY from the captured operands equals the kernel's gradient."""
+  model = _tiny_model("bf16")
+  tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 64)
+  params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
+  cap = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
+  ops = jax.jit(functools.partial(D.capture, cap, ("block_0/mlp/down",)))(params, tokens)
+  x, w, dy = D.as_matrices(*ops["block_0/mlp/down"])
+
+  def loss(p):
+    logits = model.apply({"params": p}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  grad = nn.unbox(jax.jit(jax.grad(loss))(params))["block_0"]["mlp"]["down"]["kernel"]
+  np.testing.assert_allclose(x.T @ dy, grad.reshape(w.shape), rtol=1e-4, atol=1e-7)
+  with pytest.raises(ValueError, match="not found"):
+    D.capture(cap, ("block_7/mlp/down",), params, tokens)
+
+
+def test_callback_on_fixed_weights():
+  """Same weights, same reference batch: a deterministic GEMM repeats its error
+  exactly (bias 1, step cosine 1), a random one does not. The recipe has
+  both: plain MXFP4 in fprop, MXFP4 with fresh random Hadamard signs in dgrad
+  and wgrad (cheaper to compile than stochastic rounding)."""
+  mx, rh = formats.QuantSpec("mxfp4"), recipes.Hadamard(16, "random")
+  model = _tiny_model(recipes.Recipe("test", fprop=recipes.Gemm(mx, mx),
+                                     dgrad=recipes.Gemm(mx, mx, rh),
+                                     wgrad=recipes.Gemm(mx, mx, rh)))
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 33), 0, 64))
+  params = model.init({"params": jax.random.key(1), "quant": jax.random.key(2)},
+                      tokens[:, :-1])["params"]
+  state = types.SimpleNamespace(params=params)
+  cb = D.make_callback(model, tokens, layers=["block_0/attn/q"], every=4, window=3)
+  rows = {step: cb(step, state, tokens) for step in range(6)}
+  assert rows[3] is None
+  assert "diag/train/block_0/attn/q/wgrad/out_err" in rows[0]
+  assert "diag/train/block_0/attn/q/fprop/out_err" not in rows[0]
+  ref = "diag/ref/block_0/attn/q"
+  assert f"{ref}/fprop/bias" not in rows[1] and f"{ref}/fprop/step_cos" in rows[1]
+  assert f"{ref}/fprop/step_cos" not in rows[4]  # step 3 was not measured
+  for role in D.ROLES:
+    assert 0 < rows[0][f"{ref}/{role}/out_err"] < 0.5
+    bias, cos = rows[2][f"{ref}/{role}/bias"], rows[2][f"{ref}/{role}/step_cos"]
+    if role == "fprop":
+      assert bias == pytest.approx(1.0, abs=1e-6) and cos == pytest.approx(1.0, abs=1e-6)
+    else:
+      assert bias < 0.95 and cos < 0.9
