@@ -15,6 +15,7 @@ pipeline adds BOS/EOS itself.
                           found among the usual special-token names.
 """
 
+import importlib
 import json
 import os
 
@@ -44,16 +45,20 @@ class ByteTokenizer:
     return data.decode("utf-8", errors="replace")
 
 
+def _import_optional(module, path, what):
+  """Imports an optional tokenizer package, or says which extra provides it."""
+  try:
+    return importlib.import_module(module)
+  except ImportError as e:
+    raise ImportError(f"tokenizer {path!r} is {what}, but `{module}` is not installed "
+                      f"({_EXTRAS_HINT}).") from e
+
+
 class SentencePieceTokenizer:
   """A SentencePiece `.model` file."""
 
   def __init__(self, path):
-    try:
-      import sentencepiece  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError(
-          f"tokenizer {path!r} is a SentencePiece model, but `sentencepiece` "
-          f"is not installed ({_EXTRAS_HINT}).") from e
+    sentencepiece = _import_optional("sentencepiece", path, "a SentencePiece model")
     self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     self.vocab_size = self._sp.get_piece_size()
     self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
@@ -74,12 +79,7 @@ class HuggingFaceTokenizer:
   """A Hugging Face `tokenizer.json` (e.g. Llama 3's)."""
 
   def __init__(self, path):
-    try:
-      import tokenizers  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError(
-          f"tokenizer {path!r} is a Hugging Face tokenizer file, but "
-          f"`tokenizers` is not installed ({_EXTRAS_HINT}).") from e
+    tokenizers = _import_optional("tokenizers", path, "a Hugging Face tokenizer file")
     self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     bos_name, eos_name = _special_names(os.path.dirname(path))

@@ -112,3 +112,18 @@ def test_pipeline_packs_with_a_hugging_face_tokenizer(tmp_path):
       stream += [tok.bos_id] + list(tok.encode(text)) + [tok.eos_id]
   np.testing.assert_array_equal(np.concatenate(batches, axis=1)[0],
                                 stream[:40])
+
+
+@pytest.mark.parametrize("name,cls", [("sentencepiece", fp4tok.SentencePieceTokenizer),
+                                      ("tokenizers", fp4tok.HuggingFaceTokenizer)])
+def test_missing_optional_package_names_the_extra(monkeypatch, name, cls):
+  real_import = fp4tok.importlib.import_module
+
+  def fake_import(module, *args):
+    if module == name:
+      raise ImportError(f"No module named {module!r}")
+    return real_import(module, *args)
+
+  monkeypatch.setattr(fp4tok.importlib, "import_module", fake_import)
+  with pytest.raises(ImportError, match=rf"`{name}` is not installed.*fp4jax\[tokenizers\]"):
+    cls("some/file")
