@@ -1,9 +1,10 @@
-"""`python -m fp4jax.bench {dot_general,kernels} [flags]`: run one benchmark."""
+"""`python -m fp4jax.bench NAME [flags]`: run one benchmark."""
 
 import importlib
 import sys
 
-BENCHMARKS = ("dot_general", "kernels")
+BENCHMARKS = ("dot_general", "kernels", "crosscheck", "train_speed", "gpu_check",
+              "gpu_summary")
 
 
 def main(argv):

@@ -36,6 +36,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from fp4jax import dot, formats, hadamard, recipes
+from fp4jax.bench import hlo_stats
 from fp4jax.bench.dot_general import fwd_bwd
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
@@ -56,8 +57,8 @@ def _xla_fake(axis, h):
   return lambda x: formats.fake_quantize(hadamard.rotate(x, h, axis) if h else x, MXFP4, axis)
 
 
-def _quant_variants(on_gpu):
-  """name -> (fn, bytes per element moved)."""
+def quantize_variants(pallas):
+  """name -> (fn, bytes per element moved); pallas: add the kernels' rows."""
   packed, fake = 2 + 0.5 + 1 / 32, 4
   out = {"negate (copy)": (lambda x: -x, 4)}
   for layout, axis in (("row", -1), ("col", 0)):
@@ -65,7 +66,7 @@ def _quant_variants(on_gpu):
       tag = f"{layout}{' +H16' if h else ''}"
       out[f"xla quantize {tag}"] = (_xla_quantize(axis, h), packed)
       out[f"xla fake_quantize {tag}"] = (_xla_fake(axis, h), fake)
-      if on_gpu:
+      if pallas:
         out[f"pallas quantize {tag}"] = (
             lambda x, a=axis, h=h: kq.quantize_packed(x, MXFP4, a, hadamard_block=h), packed)
         out[f"pallas fake_quantize {tag}"] = (
@@ -73,13 +74,18 @@ def _quant_variants(on_gpu):
   return out
 
 
-def _linear_variants(backends):
-  out = {"linear bf16 (lax.dot_general)": lambda x, w: lax.dot_general(
+BASELINE = "bf16 (lax.dot_general)"
+
+
+def linear_variants(recipe_names, backends):
+  """name -> jitted (x, w, dy) -> (y, dx, dw): the plain bf16 baseline, then
+  `RECIPE (BACKEND)` for each recipe and dot_general backend."""
+  out = {BASELINE: lambda x, w: lax.dot_general(
       x, w, _DIMS, preferred_element_type=jnp.float32).astype(x.dtype)}
-  for backend in backends:
-    r = dataclasses.replace(recipes.recipe("mxfp4-dh16"), backend=backend)
-    dg = dot.dot_general(r)
-    out[f"linear mxfp4-dh16 ({backend})"] = lambda x, w, dg=dg: dg(x, w, _DIMS)
+  for name in recipe_names:
+    for backend in backends:
+      dg = dot.dot_general(dataclasses.replace(recipes.recipe(name), backend=backend))
+      out[f"{name} ({backend})"] = lambda x, w, dg=dg: dg(x, w, _DIMS)
   return {name: fwd_bwd(f) for name, f in out.items()}
 
 
@@ -89,71 +95,151 @@ def _packed(x):
   return formats.pack_fp4(q.values, -1), q.scales
 
 
-def _gemm_times(x, w, repeats):
-  """Forward GEMM alone: bf16 operands vs packed MXFP4 operands (quantized once)."""
+def gemm_variants(x, w):
+  """Forward GEMM alone: bf16 operands vs packed MXFP4 operands (quantized once).
+
+  Returns (name -> jitted fn, name -> args).
+  """
   a, b = _packed(x), _packed(w.T)
   fns = {"gemm fwd only, bf16": jax.jit(
              lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
          "gemm fwd only, packed mxfp4 (pallas)": gemm.matmul_packed}
   args = {"gemm fwd only, bf16": (x, w), "gemm fwd only, packed mxfp4 (pallas)": a + b}
-  return _fastest(fns, args, repeats)
+  return fns, args
 
 
-def _fastest(fns, args, repeats):
-  """name -> fastest seconds of `repeats` round-robin calls; errors as strings."""
-  best, live = {}, {}
+def measure(fns, args, repeats):
+  """name -> {"seconds": fastest of `repeats` round-robin calls, "hlo": the
+  optimized HLO text} or {"error": one line}; fns are jitted.
+
+  Each is compiled once, ahead of time; a variant that cannot run here is
+  reported, not fatal.
+  """
+  out, live = {}, {}
   for name, fn in fns.items():
     try:
-      jax.block_until_ready(fn(*args[name]))  # compile and warm up
-      live[name], best[name] = fn, float("inf")
-    except Exception as e:  # a backend that cannot run here is reported, not fatal
-      best[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+      compiled = fn.lower(*args[name]).compile()
+      jax.block_until_ready(compiled(*args[name]))  # warm up
+      live[name] = compiled
+      out[name] = {"seconds": float("inf"), "hlo": compiled.as_text()}
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
   for _ in range(repeats):
-    for name, fn in live.items():
+    for name, compiled in live.items():
       t = time.perf_counter()
-      jax.block_until_ready(fn(*args[name]))
-      best[name] = min(best[name], time.perf_counter() - t)
-  return best
+      jax.block_until_ready(compiled(*args[name]))
+      out[name]["seconds"] = min(out[name]["seconds"], time.perf_counter() - t)
+  return out
+
+
+def quantize_rows(size, repeats, pallas):
+  """One dict per quantize variant on a [size, size] bf16 tensor: name, ms,
+  GB/s, copy_fraction (of negate's bandwidth), vs_copy (time / negate's),
+  kernels (launches per call); or name, error."""
+  x = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+  quant = quantize_variants(pallas)
+  times = measure({k: jax.jit(f) for k, (f, _) in quant.items()}, {k: (x,) for k in quant},
+                  repeats)
+  t_copy = times["negate (copy)"].get("seconds")
+  rows = []
+  for name, (_, per_elem) in quant.items():
+    m = times[name]
+    if "error" in m or t_copy is None:
+      rows.append({"name": name, "error": m.get("error", "negate (copy) failed")})
+      continue
+    t = m["seconds"]
+    rows.append({"name": name, "ms": t * 1e3, "GB/s": per_elem * size * size / t / 1e9,
+                 "copy_fraction": t_copy / t * per_elem / 4, "vs_copy": t / t_copy,
+                 "kernels": sum(hlo_stats.kernel_counts(m["hlo"]).values())})
+  return rows
+
+
+def linear_inputs(m, k, n):
+  """bf16 X [M, K], W [K, N] (scaled by 1/sqrt(K)) and dY [M, N]."""
+  kx, kw, ky = jax.random.split(jax.random.key(1), 3)
+  return (jax.random.normal(kx, (m, k), jnp.bfloat16),
+          (jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16),
+          jax.random.normal(ky, (m, n), jnp.bfloat16))
+
+
+def linear_rows(shape, recipe_names, backends, repeats, gemm_only=False, hlo_dir=None):
+  """One dict per fwd+bwd variant of the [M,K] x [K,N] layer: name, ms,
+  vs_bf16, TFLOP/s (the three GEMMs' 6MKN flops over the time), kernels;
+  or name, error. gemm_only adds the forward GEMM alone (bf16 vs packed;
+  vs_bf16 of those two is against the bf16 forward GEMM).
+  hlo_dir: write each variant's optimized HLO there (for a missed goal).
+  """
+  m, k, n = shape
+  xw = linear_inputs(m, k, n)
+  lin = linear_variants(recipe_names, backends)
+  times = measure(lin, {name: xw for name in lin}, repeats)
+  flops = {name: 6 * m * k * n for name in lin}
+  if gemm_only:
+    fns, args = gemm_variants(xw[0], xw[1])
+    times.update(measure(fns, args, repeats))
+    flops.update({name: 2 * m * k * n for name in fns})
+  base = times[BASELINE].get("seconds")
+  gemm_base = times.get("gemm fwd only, bf16", {}).get("seconds")
+  rows = []
+  for name, meas in times.items():
+    if hlo_dir and "hlo" in meas:
+      slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+      with open(f"{hlo_dir}/{m}x{k}x{n}_{slug}.hlo.txt", "w") as f:
+        f.write(meas["hlo"])
+    if "error" in meas:
+      rows.append({"name": name, "error": meas["error"]})
+      continue
+    t = meas["seconds"]
+    kernels = hlo_stats.kernel_counts(meas["hlo"])
+    ref = gemm_base if name.startswith("gemm") else base
+    rows.append({"name": name, "ms": t * 1e3, "vs_bf16": t / ref if ref else None,
+                 "TFLOP/s": flops[name] / t / 1e12, "kernels": sum(kernels.values()),
+                 "kernel_ops": dict(kernels.most_common(6))})
+  return rows
+
+
+def _cell(v):
+  return f"{v:.2f}" if isinstance(v, float) else ("" if v is None else str(v))
+
+
+QUANT_COLUMNS = (("ms", "time (ms)"), ("GB/s", "GB/s"),
+                 ("copy_fraction", "fraction of copy"), ("vs_copy", "time / negate"),
+                 ("kernels", "kernels"))
+LINEAR_COLUMNS = (("ms", "time (ms)"), ("vs_bf16", "/ bf16"), ("TFLOP/s", "TFLOP/s"),
+                  ("kernels", "kernels"))
+
+
+def markdown(rows, columns, title):
+  """A markdown table of row dicts; columns: (key, label) pairs; `title`
+  heads the name column."""
+  lines = [f"| {title} | " + " | ".join(label for _, label in columns) + " |",
+           "|---" * (len(columns) + 1) + "|"]
+  for r in rows:
+    cells = ([r["error"]] + [""] * (len(columns) - 1) if "error" in r
+             else [_cell(r.get(key)) for key, _ in columns])
+    lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def header(repeats):
+  """One line: time, device, host processor, jax version, repeats."""
+  dev = jax.devices()[0]
+  return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{dev.device_kind} ({jax.default_backend()}, {jax.device_count()} devices), "
+          f"{platform.processor() or platform.machine()}, jax {jax.__version__}; "
+          f"fastest of {repeats}")
 
 
 def run(size, linear, repeats, backends):
   """Markdown table (str) of both benchmarks."""
   on_gpu = jax.default_backend() == "gpu"
-  x = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
-  quant = _quant_variants(on_gpu)
-  times = _fastest({k: jax.jit(f) for k, (f, _) in quant.items()}, {k: (x,) for k in quant},
-                   repeats)
-  t_copy = times["negate (copy)"]
-  rows = [f"| {size}x{size} bf16 | time (ms) | GB/s | fraction of copy | time / negate |",
-          "|---|---|---|---|---|"]
-  for name, (_, per_elem) in quant.items():
-    t = times[name]
-    if isinstance(t, str):
-      rows.append(f"| {name} | {t} | | | |")
-      continue
-    gbs = per_elem * size * size / t / 1e9
-    rows.append(f"| {name} | {t * 1e3:.2f} | {gbs:.1f} | "
-                f"{t_copy / t * per_elem / 4:.2f} | {t / t_copy:.2f} |")
+  quant = quantize_rows(size, repeats, pallas=on_gpu)
+  lin = linear_rows(linear, ["mxfp4-dh16"], backends, repeats, gemm_only=on_gpu)
   m, k, n = linear
-  kx, kw, ky = jax.random.split(jax.random.key(1), 3)
-  xw = (jax.random.normal(kx, (m, k), jnp.bfloat16),
-        (jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16),
-        jax.random.normal(ky, (m, n), jnp.bfloat16))
-  lin = _linear_variants(backends)
-  lt = _fastest(lin, {k: xw for k in lin}, repeats)
-  base = lt["linear bf16 (lax.dot_general)"]
-  rows += ["", f"| fwd+bwd, M,K,N = {m},{k},{n} | time (ms) | / bf16 |", "|---|---|---|"]
-  if on_gpu:
-    lt.update(_gemm_times(xw[0], xw[1], repeats))
-  for name, t in lt.items():
-    rows.append(f"| {name} | {t} | |" if isinstance(t, str)
-                else f"| {name} | {t * 1e3:.2f} | {t / base:.2f} |")
-  dev = jax.devices()[0]
-  head = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"{dev.device_kind} ({jax.default_backend()}, {jax.device_count()} devices), "
-          f"{platform.processor() or platform.machine()}, jax {jax.__version__}; "
-          f"fastest of {repeats}\n")
-  return head + "\n" + "\n".join(rows) + "\n"
+  return (header(repeats) + "\n\n"
+          + markdown(quant, QUANT_COLUMNS, f"{size}x{size} bf16")
+          + "\n\n" + markdown(lin, LINEAR_COLUMNS, f"fwd+bwd, M,K,N = {m},{k},{n}")
+          + "\n")
 
 
 def main(argv):

@@ -1,0 +1,169 @@
+"""The measuring stages of benchmarks/gpu_check.sh, one per call.
+
+  python -m fp4jax.bench gpu_check STAGE --work DIR [--tiny]
+
+STAGE:
+  env       the machine: python, jax/jaxlib, devices, compute capability,
+            memory, whether Pallas compiles (not interprets), and which of
+            pyproject.toml's runtime and test dependencies are missing
+  quantize  fused quantize and fake quantize (row, column, +-H16) against a
+            copy of one [S, S] bf16 tensor (S = 8192; --tiny 256)
+  linear    forward+backward of one [M,K] x [K,N] bf16 layer for plain bf16
+            and the fp8, mxfp4 and mxfp4-dh16 recipes on each dot_general
+            backend, at the 8B MLP shape (16384, 4096, 14336) and the
+            attention shape (16384, 4096, 4096); the forward GEMM alone,
+            bf16 against the packed-MXFP4 Pallas GEMM; the optimized HLO of
+            every variant goes to DIR/hlo/ and its kernel count to the table
+  native    the `native` dot_general backend, where this checkout has one and
+            the GPU has block-scaled FP4 units (compute capability >= 10);
+            otherwise records why it was skipped
+Each writes DIR/STAGE.json and DIR/STAGE.md. The numbers are fastest-of-R
+wall times of compiled executables (fp4jax.bench.kernels.measure).
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import sys
+import tomllib
+
+import jax
+
+from fp4jax import recipes
+from fp4jax.bench import kernels as bench_kernels
+from fp4jax.bench.train_speed import H200_BF16_TFLOPS
+from fp4jax.kernels import native
+from fp4jax.kernels import quantize as kq
+
+H200_HBM_TBS = 4.8  # HBM3e bandwidth, same datasheet
+LINEAR_SHAPES = ((16384, 4096, 14336), (16384, 4096, 4096))
+TINY_LINEAR_SHAPES = ((128, 128, 128), (128, 128, 64))
+LINEAR_RECIPES = ("fp8", "mxfp4", "mxfp4-dh16")
+
+
+def dependencies(pyproject="pyproject.toml", extras=("test",)):
+  """Distribution names of the project's runtime deps and `extras`."""
+  with open(pyproject, "rb") as f:
+    project = tomllib.load(f)["project"]
+  reqs = list(project["dependencies"])
+  for extra in extras:
+    reqs += project["optional-dependencies"][extra]
+  return [re.match(r"[A-Za-z0-9_.\-]+", r).group(0) for r in reqs]
+
+
+def package_versions(names):
+  """name -> installed version, or None where it is not installed."""
+  out = {}
+  for name in names:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = None
+  return out
+
+
+def backends():
+  """(dot_general backends to time, why `native` is left out or None)."""
+  if "native" not in recipes.BACKENDS:
+    return ["xla", "pallas"], (f"this checkout has no `native` backend "
+                               f"(recipes.BACKENDS = {recipes.BACKENDS})")
+  reason = native.unsupported_reason()
+  return (["xla", "pallas"], reason) if reason else (["xla", "pallas", "native"], None)
+
+
+def env_stage(tiny, work):
+  del tiny, work
+  dev = jax.devices()[0]
+  deps = package_versions(dependencies() + ["jaxlib", "jax-cuda12-plugin",
+                                            "jax-cuda13-plugin", "triton"])
+  stats = dev.memory_stats() or {}
+  result = dict(
+      python=sys.version.split()[0], executable=sys.executable,
+      machine=platform.machine(), jax=jax.__version__, backend=jax.default_backend(),
+      devices=[dict(kind=d.device_kind, platform=d.platform,
+                    compute_capability=getattr(d, "compute_capability", None))
+               for d in jax.devices()],
+      memory_limit_gib=stats.get("bytes_limit", 0) / 2**30 or None,
+      pallas_interprets=kq.interpret_mode(None),
+      native_unsupported=native.unsupported_reason(), backends=backends()[0],
+      xla_flags=os.environ.get("XLA_FLAGS", ""), packages=deps,
+      missing=[name for name, v in deps.items() if v is None])
+  lines = [f"- {k}: {v}" for k, v in result.items() if k != "packages"]
+  lines += ["", "| package | version |", "|---|---|"]
+  lines += [f"| {k} | {v or 'MISSING'} |" for k, v in deps.items()]
+  return result, "\n".join(lines)
+
+
+def quantize_stage(tiny, work):
+  del work
+  size, repeats = (256, 2) if tiny else (8192, 20)
+  rows = bench_kernels.quantize_rows(size, repeats, pallas=True)
+  copy = next((r for r in rows if r["name"] == "negate (copy)" and "GB/s" in r), None)
+  note = ""
+  if copy and jax.default_backend() == "gpu":
+    note = (f"\n\ncopy: {copy['GB/s']:.0f} GB/s = "
+            f"{copy['GB/s'] / 1e3 / H200_HBM_TBS:.2f} of the H200's {H200_HBM_TBS} TB/s")
+  md = (bench_kernels.header(repeats) + "\n\n"
+        + bench_kernels.markdown(rows, bench_kernels.QUANT_COLUMNS, f"{size}x{size} bf16")
+        + note)
+  return {"size": size, "repeats": repeats, "rows": rows}, md
+
+
+def _linear_tables(shapes, recipe_names, backend_names, repeats, work, gemm_only):
+  hlo_dir = os.path.join(work, "hlo")
+  os.makedirs(hlo_dir, exist_ok=True)
+  tables, mds = [], []
+  for shape in shapes:
+    rows = bench_kernels.linear_rows(shape, recipe_names, backend_names, repeats,
+                                     gemm_only=gemm_only, hlo_dir=hlo_dir)
+    for r in rows:
+      if "TFLOP/s" in r:
+        r["fraction_of_bf16_peak"] = r["TFLOP/s"] / H200_BF16_TFLOPS
+    tables.append({"shape": list(shape), "rows": rows})
+    mds.append(bench_kernels.markdown(
+        rows, bench_kernels.LINEAR_COLUMNS + (("fraction_of_bf16_peak", "of 989 TF"),),
+        "fwd+bwd, M,K,N = {},{},{}".format(*shape)))
+  return tables, mds
+
+
+def linear_stage(tiny, work):
+  shapes, repeats = (TINY_LINEAR_SHAPES, 2) if tiny else (LINEAR_SHAPES, 10)
+  backend_names, why_not_native = backends()
+  tables, mds = _linear_tables(shapes, LINEAR_RECIPES, backend_names, repeats, work,
+                               gemm_only=True)
+  md = bench_kernels.header(repeats) + "\n\n" + "\n\n".join(mds)
+  if why_not_native:
+    md += f"\n\nnative backend not timed: {why_not_native}"
+  return {"repeats": repeats, "tables": tables, "native_skipped": why_not_native}, md
+
+
+def native_stage(tiny, work):
+  _, why_not = backends()
+  if why_not:
+    return {"skipped": why_not}, f"skipped: {why_not}"
+  shapes, repeats = (TINY_LINEAR_SHAPES[:1], 2) if tiny else (LINEAR_SHAPES[:1], 10)
+  tables, mds = _linear_tables(shapes, ("mxfp4", "mxfp4-dh16"), ["native"], repeats, work,
+                               gemm_only=False)
+  return {"repeats": repeats, "tables": tables}, bench_kernels.header(repeats) + "\n\n" + mds[0]
+
+
+STAGES = {"env": env_stage, "quantize": quantize_stage, "linear": linear_stage,
+          "native": native_stage}
+
+
+def main(argv):
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_check")
+  p.add_argument("stage", choices=sorted(STAGES))
+  p.add_argument("--work", required=True, help="directory for STAGE.json and STAGE.md")
+  p.add_argument("--tiny", action="store_true", help="CPU dry-run sizes")
+  args = p.parse_args(argv)
+  os.makedirs(args.work, exist_ok=True)
+  result, md = STAGES[args.stage](args.tiny, args.work)
+  with open(os.path.join(args.work, f"{args.stage}.json"), "w") as f:
+    json.dump(result, f, indent=1, default=str)
+  with open(os.path.join(args.work, f"{args.stage}.md"), "w") as f:
+    f.write(md + "\n")
+  print(md)

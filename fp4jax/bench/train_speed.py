@@ -1,0 +1,97 @@
+"""Training throughput of one recipe: tokens/s, model FLOP utilisation, peak memory.
+
+  python -m fp4jax.bench train_speed --config=configs/ablation_gpu.py \
+      --recipe mxfp4-dh16 --backend pallas --steps 20 --out run.json
+
+Runs fp4jax.trainer.train on the config (an ablation config loses its own
+blocks, as in fp4jax.experiments.ablation) for `--steps` steps, evaluating
+only at the start and the end (one batch). tokens/s is the trainer's: every
+step after the first (the compile), data and host work included. Model FLOPs
+per token follow PaLM (Chowdhery et al., 2022, appendix B): 6 x the
+parameters of the matrices (blocks and head, not the embedding) + 12 x
+layers x dim x sequence length for attention; MFU = tokens/s x that / the
+card's bf16 dense rate (--peak_tflops). Peak memory is the device's
+peak_bytes_in_use, so run one recipe per process. `--tiny` swaps in the tiny
+model and 4 x 64 tokens (a CPU dry run).
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import tempfile
+
+import jax
+
+from fp4jax import trainer
+from fp4jax.experiments import ablation
+
+H200_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA's H200 SXM datasheet
+
+
+def load_config(path):
+  """get_config() of a config file."""
+  spec = importlib.util.spec_from_file_location("fp4jax_bench_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def run_config(config, recipe, backend, steps, tiny=False):
+  """The trainer config: `config` trimmed to `steps` steps of `recipe` on `backend`."""
+  cfg = ablation.run_config(config, recipe, seed=0) if "ablation" in config else config
+  cfg.quant.name = recipe
+  cfg.quant.backend = backend
+  cfg.steps = cfg.eval_every = cfg.checkpoint_every = cfg.log_every = steps
+  cfg.eval_batches = 1
+  if tiny:
+    cfg.model = trainer.model_template("tiny")
+    cfg.batch_size, cfg.seq_len, cfg.eval_batch_size = 4, 64, 4
+  return cfg
+
+
+def flops_per_token(model, seq_len):
+  """PaLM's model FLOPs per trained token for a resolved LlamaConfig dict."""
+  d, layers = model["dim"], model["n_layers"]
+  kv_dim = d // model["n_heads"] * model["n_kv_heads"]
+  block = d * (2 * d + 2 * kv_dim) + 3 * d * model["mlp_dim"]  # q, o, k, v; gate, up, down
+  matrices = layers * block + d * model["vocab_size"]  # + the head
+  return 6 * matrices + 12 * layers * d * seq_len
+
+
+def measure(cfg, peak_tflops):
+  """Trains `cfg` in a temporary workdir; returns the measurements (dict)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    summary = trainer.train(cfg, workdir)
+    with open(os.path.join(workdir, "config.json")) as f:
+      resolved = json.load(f)["resolved"]
+  stats = jax.devices()[0].memory_stats() or {}
+  fpt = flops_per_token(resolved["model"], cfg.seq_len)
+  tps = summary["tokens_per_s"]
+  return dict(
+      recipe=cfg.quant.name, backend=cfg.quant.backend, steps=summary["step"],
+      status=summary["status"], tokens_per_step=cfg.batch_size * cfg.seq_len,
+      n_params=summary["n_params"], flops_per_token=fpt, tokens_per_s=tps,
+      step_s=cfg.batch_size * cfg.seq_len / tps if tps else None,
+      mfu=tps * fpt / (peak_tflops * 1e12) if tps else None,
+      peak_gib=stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
+      final_loss=summary["final_loss"], wall_s=summary["wall_time_s"],
+      device=jax.devices()[0].device_kind)
+
+
+def main(argv):
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench train_speed")
+  p.add_argument("--config", default="configs/ablation_gpu.py")
+  p.add_argument("--recipe", default="bf16")
+  p.add_argument("--backend", default="xla")
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS)
+  p.add_argument("--tiny", action="store_true")
+  p.add_argument("--out", help="write the result (JSON) here")
+  args = p.parse_args(argv)
+  cfg = run_config(load_config(args.config), args.recipe, args.backend, args.steps, args.tiny)
+  result = measure(cfg, args.peak_tflops)
+  print(json.dumps(result, indent=1))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
