@@ -150,7 +150,7 @@ def compare(got, want, row_class=None):
     out["nan_payload"] = int(np.sum(both_nan & (_bits(got) != _bits(want))))
     finite = np.isfinite(gf) & np.isfinite(wf)
     scale = max(float(np.max(np.abs(wf[finite]), initial=0.0)), 1e-30)
-    out["max_rel_diff"] = float(np.max(np.abs(gf - wf)[finite], initial=0.0)) / scale
+    out["max_rel_diff"] = float(np.max(np.abs(gf[finite] - wf[finite]), initial=0.0)) / scale
   out["mismatched"] = int(np.sum(differ))
   if row_class is not None and out["mismatched"]:
     per_row = differ.reshape(differ.shape[0], -1).sum(axis=1)

@@ -65,20 +65,25 @@ def package_versions(names):
   return out
 
 
+def native_unsupported():
+  """Why the `native` dot_general backend cannot be timed here, or None."""
+  if "native" not in recipes.BACKENDS:
+    return (f"this checkout has no `native` backend "
+            f"(recipes.BACKENDS = {recipes.BACKENDS})")
+  return native.unsupported_reason()
+
+
 def backends():
   """(dot_general backends to time, why `native` is left out or None)."""
-  if "native" not in recipes.BACKENDS:
-    return ["xla", "pallas"], (f"this checkout has no `native` backend "
-                               f"(recipes.BACKENDS = {recipes.BACKENDS})")
-  reason = native.unsupported_reason()
+  reason = native_unsupported()
   return (["xla", "pallas"], reason) if reason else (["xla", "pallas", "native"], None)
 
 
 def env_stage(tiny, work):
   del tiny, work
   dev = jax.devices()[0]
-  deps = package_versions(dependencies() + ["jaxlib", "jax-cuda12-plugin",
-                                            "jax-cuda13-plugin", "triton"])
+  deps = package_versions(dependencies())
+  others = package_versions(["jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "triton"])
   stats = dev.memory_stats() or {}
   result = dict(
       python=sys.version.split()[0], executable=sys.executable,
@@ -88,12 +93,13 @@ def env_stage(tiny, work):
                for d in jax.devices()],
       memory_limit_gib=stats.get("bytes_limit", 0) / 2**30 or None,
       pallas_interprets=kq.interpret_mode(None),
-      native_unsupported=native.unsupported_reason(), backends=backends()[0],
-      xla_flags=os.environ.get("XLA_FLAGS", ""), packages=deps,
+      native_unsupported=native_unsupported(), backends=backends()[0],
+      xla_flags=os.environ.get("XLA_FLAGS", ""), packages={**deps, **others},
       missing=[name for name, v in deps.items() if v is None])
   lines = [f"- {k}: {v}" for k, v in result.items() if k != "packages"]
   lines += ["", "| package | version |", "|---|---|"]
   lines += [f"| {k} | {v or 'MISSING'} |" for k, v in deps.items()]
+  lines += [f"| {k} | {v or 'not installed'} |" for k, v in others.items()]
   return result, "\n".join(lines)
 
 

@@ -120,10 +120,10 @@ def summarize(work):
             for g in result["goals"]]
   if runs:
     lines += ["", "| train (recipe, backend) | tokens/s | step (s) | MFU | peak GiB | "
-              "final loss |", "|---|---|---|---|---|---|"]
+              "final loss | the config's steps (min) |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['recipe']} ({r['backend']}) | {_fmt(r['tokens_per_s'])} | "
               f"{_fmt(r['step_s'])} | {_fmt(r['mfu'])} | {_fmt(r['peak_gib'])} | "
-              f"{_fmt(r['final_loss'])} |" for r in runs]
+              f"{_fmt(r['final_loss'])} | {_fmt(r.get('config_minutes'))} |" for r in runs]
   for name in ("crosscheck", "quantize", "linear", "native"):
     path = os.path.join(work, f"{name}.md")
     if os.path.exists(path):

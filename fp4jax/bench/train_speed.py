@@ -11,8 +11,10 @@ per token follow PaLM (Chowdhery et al., 2022, appendix B): 6 x the
 parameters of the matrices (blocks and head, not the embedding) + 12 x
 layers x dim x sequence length for attention; MFU = tokens/s x that / the
 card's bf16 dense rate (--peak_tflops). Peak memory is the device's
-peak_bytes_in_use, so run one recipe per process. `--tiny` swaps in the tiny
-model and 4 x 64 tokens (a CPU dry run).
+peak_bytes_in_use, so run one recipe per process. config_minutes projects the
+untrimmed config's steps at this rate (training only: no evaluation,
+checkpoints or diagnostics). `--tiny` swaps in the tiny model and 4 x 64
+tokens (a CPU dry run).
 """
 
 import argparse
@@ -37,11 +39,16 @@ def load_config(path):
   return module.get_config()
 
 
-def run_config(config, recipe, backend, steps, tiny=False):
-  """The trainer config: `config` trimmed to `steps` steps of `recipe` on `backend`."""
+def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
+  """The trainer config: `config` trimmed to `steps` steps of `recipe` on `backend`.
+
+  scan_layers: nn.scan over the blocks (one block to compile, not n_layers).
+  """
   cfg = ablation.run_config(config, recipe, seed=0) if "ablation" in config else config
   cfg.quant.name = recipe
   cfg.quant.backend = backend
+  if scan_layers:
+    cfg.model.scan_layers = True
   cfg.steps = cfg.eval_every = cfg.checkpoint_every = cfg.log_every = steps
   cfg.eval_batches = 1
   if tiny:
@@ -59,8 +66,11 @@ def flops_per_token(model, seq_len):
   return 6 * matrices + 12 * layers * d * seq_len
 
 
-def measure(cfg, peak_tflops):
-  """Trains `cfg` in a temporary workdir; returns the measurements (dict)."""
+def measure(cfg, peak_tflops, config_steps=None):
+  """Trains `cfg` in a temporary workdir; returns the measurements (dict).
+
+  config_steps: the untrimmed config's steps, for a projection of its time.
+  """
   with tempfile.TemporaryDirectory() as workdir:
     summary = trainer.train(cfg, workdir)
     with open(os.path.join(workdir, "config.json")) as f:
@@ -73,9 +83,14 @@ def measure(cfg, peak_tflops):
       status=summary["status"], tokens_per_step=cfg.batch_size * cfg.seq_len,
       n_params=summary["n_params"], flops_per_token=fpt, tokens_per_s=tps,
       step_s=cfg.batch_size * cfg.seq_len / tps if tps else None,
+      first_step_s=summary["train_time_s"] - (summary["step"] - 1) * cfg.batch_size
+      * cfg.seq_len / tps if tps else None,  # mostly compilation
       mfu=tps * fpt / (peak_tflops * 1e12) if tps else None,
       peak_gib=stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None,
       final_loss=summary["final_loss"], wall_s=summary["wall_time_s"],
+      config_steps=config_steps,
+      config_minutes=config_steps * cfg.batch_size * cfg.seq_len / tps / 60
+      if tps and config_steps else None,
       device=jax.devices()[0].device_kind)
 
 
@@ -87,10 +102,14 @@ def main(argv):
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS)
   p.add_argument("--tiny", action="store_true")
+  p.add_argument("--scan_layers", action="store_true",
+                 help="scan over the blocks (shorter compile, same model)")
   p.add_argument("--out", help="write the result (JSON) here")
   args = p.parse_args(argv)
-  cfg = run_config(load_config(args.config), args.recipe, args.backend, args.steps, args.tiny)
-  result = measure(cfg, args.peak_tflops)
+  config = load_config(args.config)
+  config_steps = config.steps
+  cfg = run_config(config, args.recipe, args.backend, args.steps, args.tiny, args.scan_layers)
+  result = measure(cfg, args.peak_tflops, config_steps)
   print(json.dumps(result, indent=1))
   if args.out:
     with open(args.out, "w") as f:

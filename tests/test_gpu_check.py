@@ -1,0 +1,177 @@
+"""The Python side of benchmarks/gpu_check.sh at tiny sizes on the CPU.
+
+The script runs on a GPU only in sessions lent one; these tests keep every
+stage's code working in between: kernel counts of an HLO text, the bit
+comparison of the crosscheck, the training-throughput arithmetic and the
+summary's goals, plus the env stage, a tiny linear and a crosscheck round
+trip through the saved reference file.
+"""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from fp4jax import model as model_lib
+from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
+from fp4jax.bench import kernels as bench_kernels
+
+_HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
+
+%fused_computation (param_0: f32[8]) -> f32[8] {
+  %param_0 = f32[8]{0} parameter(0)
+  %neg = f32[8]{0} negate(%param_0)
+  ROOT %exp = f32[8]{0} exponential(%neg)
+}
+
+%command_buffer (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %f1 = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused_computation
+  ROOT %g = f32[8]{0} custom-call(%f1), custom_call_target="__cublas$gemm"
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %c = f32[] constant(1)
+  %f0 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %t = (f32[8]{0}, f32[]) tuple(%f0, %c)
+  %g0 = f32[8]{0} get-tuple-element(%t), index=0
+  ROOT %cb = f32[8]{0} call(%g0), to_apply=%command_buffer
+}
+"""
+
+
+def test_kernel_counts_follow_calls_and_skip_fused_and_bookkeeping():
+  assert hlo_stats.kernel_counts(_HLO) == {"fusion": 2, "custom-call": 1}
+  assert not hlo_stats.kernel_counts("no module here")
+
+
+def test_compare_counts_differing_elements_per_row_class():
+  x, row_class = crosscheck.inputs(rows_per_class=2, n=64)
+  assert x.shape == (2 * len(crosscheck.CLASSES), 64)
+  nan_row = list(row_class).index(crosscheck.CLASSES.index("nan"))
+  assert np.isnan(x[nan_row]).sum() == 1
+  sub = x[row_class == crosscheck.CLASSES.index("f32 subnormal")]
+  assert (np.abs(sub[sub != 0]) < np.finfo(np.float32).tiny).all()
+
+  assert crosscheck.compare(x, x.copy(), row_class)["mismatched"] == 0
+  other = x.copy()
+  other[nan_row, 3] = np.nextafter(other[nan_row, 3], np.float32(np.inf))
+  got = crosscheck.compare(other, x, row_class)
+  assert got["mismatched"] == 1 and got["by_class"] == {"nan": 1}
+  payload = x.copy()
+  where = np.isnan(payload)
+  payload.view(np.uint32)[where] ^= 1  # another NaN payload: not a mismatch
+  got = crosscheck.compare(payload, x, row_class)
+  assert got["mismatched"] == 0 and got["nan_payload"] == where.sum() == 2
+  codes = np.arange(16, dtype=np.uint8)
+  assert crosscheck.compare(codes, codes[::-1].copy())["mismatched"] == 16
+  assert "error" in crosscheck.compare(codes, codes[:8])
+
+
+def test_crosscheck_round_trip_through_the_reference_file(tmp_path, monkeypatch):
+  all_cases = crosscheck.quantize_cases()
+  keep = ["quantize floor bfloat16 axis 0", "fake_quantize H16 float32 axis -1"]
+  monkeypatch.setattr(crosscheck, "quantize_cases", lambda: {k: all_cases[k] for k in keep})
+  monkeypatch.setattr(crosscheck, "dot_cases", lambda: {})
+  ref = str(tmp_path / "ref.npz")
+  crosscheck.save_reference(ref, 1, 64, (32, 32, 32))
+  rows = crosscheck.check(ref, 1, 64, (32, 32, 32))
+  assert [r["case"] for r in rows] == keep
+  for r in rows:
+    for label in ("pallas vs xla", "xla vs reference", "pallas vs reference"):
+      assert r[label]["mismatched"] == 0 and r[label]["elements"] > 0, (r["case"], label)
+  assert "| quantize floor bfloat16 axis 0 | 0 / " in crosscheck.markdown(rows, "cpu")
+
+
+def test_flops_per_token_counts_every_matrix_once():
+  cfg = model_lib.model_config("llama-125m", vocab_size=32000)
+  model = {k: getattr(cfg, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads",
+                                        "mlp_dim", "vocab_size")}
+  n_params = 124_668_672  # README's count for this preset (jax.eval_shape)
+  embedding, norms = 32000 * 768, 768 * (2 * 12 + 1)
+  want = 6 * (n_params - embedding - norms) + 12 * 12 * 768 * 1024
+  assert train_speed.flops_per_token(model, 1024) == want
+
+
+def test_dependencies_come_from_pyproject():
+  names = gpu_check.dependencies()
+  assert {"jax", "grain", "ml-collections", "hypothesis", "tensorboardX"} <= set(names)
+  versions = gpu_check.package_versions(["numpy", "surely-not-a-package"])
+  assert versions["numpy"] and versions["surely-not-a-package"] is None
+
+
+def test_env_and_tiny_linear_stages(tmp_path):
+  env, md = gpu_check.env_stage(True, str(tmp_path))
+  assert env["backend"] == "cpu" and env["pallas_interprets"] is True
+  assert "| grain |" in md
+  rows = bench_kernels.linear_rows((64, 64, 32), ["mxfp4-dh16"], ["xla", "pallas"], 1,
+                                   hlo_dir=str(tmp_path))
+  by_name = {r["name"]: r for r in rows}
+  assert set(by_name) == {bench_kernels.BASELINE, "mxfp4-dh16 (xla)", "mxfp4-dh16 (pallas)"}
+  assert by_name[bench_kernels.BASELINE]["vs_bf16"] == 1.0
+  for r in rows:
+    assert r["ms"] > 0 and r["kernels"] >= 1
+    assert math.isclose(r["TFLOP/s"], 6 * 64 * 64 * 32 / (r["ms"] * 1e-3) / 1e12)
+  assert len(os.listdir(tmp_path)) == 3  # one HLO text per variant
+  table = bench_kernels.markdown(rows, bench_kernels.LINEAR_COLUMNS, "layer")
+  assert table.count("\n") == 4 and "mxfp4-dh16 (pallas)" in table
+
+
+def _write(path, obj):
+  with open(path, "w") as f:
+    json.dump(obj, f)
+
+
+def test_summary_checks_each_goal(tmp_path):
+  w = str(tmp_path)
+  with open(os.path.join(w, "stages.tsv"), "w") as f:
+    f.write("env\t0\t5\t60\nlinear\t124 (timed out)\t150\t150\n")
+  _write(os.path.join(w, "quantize.json"), {"rows": [
+      {"name": "negate (copy)", "copy_fraction": 1.0},
+      {"name": "pallas quantize row", "copy_fraction": 0.8},
+      {"name": "pallas quantize col +H16", "copy_fraction": 0.5},
+      {"name": "pallas quantize col", "error": "XlaRuntimeError: boom"}]})
+  _write(os.path.join(w, "linear.json"), {"tables": [{"shape": [16384, 4096, 14336], "rows": [
+      {"name": "mxfp4-dh16 (xla)", "vs_bf16": 2.0},
+      {"name": "mxfp4-dh16 (pallas)", "vs_bf16": 1.2}]}]})
+  for recipe, backend, tps in (("bf16", "xla", 1000.0), ("mxfp4-dh16", "pallas", 800.0)):
+    _write(os.path.join(w, f"train_{recipe}_{backend}.json"), dict(
+        recipe=recipe, backend=backend, tokens_per_s=tps, step_s=1.0, mfu=0.3,
+        peak_gib=10.0, final_loss=5.0))
+  _write(os.path.join(w, "crosscheck.json"), {"rows": [
+      {"case": "a", "pallas vs xla": {"mismatched": 3, "elements": 10}},
+      {"case": "b", "pallas vs xla": {"error": "failed"}}]})
+  with open(os.path.join(w, "pytest.xml"), "w") as f:
+    f.write('<testsuites><testsuite tests="9" failures="1" errors="0" skipped="2">'
+            '</testsuite></testsuites>')
+  result, md = gpu_summary.summarize(w)
+  met = {g["goal"].split(":")[0]: (g["value"], g["met"]) for g in result["goals"]}
+  assert met["pallas quantize row"] == (0.8, True)
+  assert met["pallas quantize col +H16"] == (0.5, False)
+  assert met["pallas quantize col"] == (None, None)
+  assert met["linear mxfp4-dh16 (xla) at [16384, 4096, 14336]"] == (2.0, False)
+  assert met["linear mxfp4-dh16 (pallas) at [16384, 4096, 14336]"] == (1.2, True)
+  assert met["train step mxfp4-dh16 (pallas)"] == (pytest.approx(1.25), True)
+  assert met["pallas vs xla, same device"] == (4, False)
+  assert met["GPU tests failed or errored"] == (1, False)
+  assert result["tests"] == {"tests": 9, "failures": 1, "errors": 0, "skipped": 2}
+  assert "| linear | 124 (timed out) | 150 | 150 |" in md
+
+
+def test_summary_of_an_empty_work_dir(tmp_path):
+  result, md = gpu_summary.summarize(str(tmp_path))
+  assert result["goals"] == [] and result["stages"] == [] and "# fp4jax GPU check" in md
+
+
+def test_train_config_is_trimmed():
+  cfg = train_speed.run_config(train_speed.load_config("configs/ablation_gpu.py"),
+                               "mxfp4-dh16", "pallas", 5, tiny=True)
+  assert "ablation" not in cfg and "diagnostics" not in cfg
+  assert (cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.eval_batches) == (5, 5, 5, 1)
+  assert (cfg.quant.name, cfg.quant.backend, cfg.model.name) == ("mxfp4-dh16", "pallas", "tiny")
+  full = train_speed.run_config(train_speed.load_config("configs/ablation_gpu.py"),
+                                "bf16", "xla", 20)
+  assert (full.model.name, full.batch_size, full.seq_len) == ("llama-125m", 32, 1024)
