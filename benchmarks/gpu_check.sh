@@ -10,6 +10,9 @@
 #               test_dot.py with the kernels compiled by Triton (Pallas
 #               interprets only off GPUs: kernels.quantize.interpret_mode),
 #               each against the `xla` path on the same GPU bit for bit
+#   crosscheck  the quantizers and four recipes' fwd+bwd on the GPU (xla and
+#               pallas) against XLA:CPU in the same machine, per input class
+#               (subnormal, NaN, Inf, ties, ...)
 #   quantize    fused quantize (row, col, +-H16) vs copy, 8192x8192 bf16
 #   linear      fwd+bwd of one layer, (16384,4096,14336) and (16384,4096,4096),
 #               bf16 / fp8 / mxfp4 / mxfp4-dh16 x xla / pallas; the forward
@@ -17,9 +20,6 @@
 #   train_*     configs/ablation_gpu.py (125M shape), TRAIN_STEPS steps each:
 #               bf16, mxfp4-dh16 on xla, mxfp4-dh16 on pallas; one process
 #               each (peak memory is per process): tokens/s, MFU, peak GiB
-#   crosscheck  the quantizers and four recipes' fwd+bwd on the GPU (xla and
-#               pallas) against XLA:CPU in the same machine, per input class
-#               (subnormal, NaN, Inf, ties, ...)
 #   native      backend=native (compute capability >= 10 only; skipped here
 #               on an H200 with the reason written down)
 # Results: $OUT/summary.md (stages, goals, tables), $OUT/summary.json,
@@ -47,7 +47,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/fp4jax_gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/fp4jax_gpu_check_work}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-500}
-STAGES=${GPU_CHECK_STAGES:-"env tests quantize linear train crosscheck native"}
+STAGES=${GPU_CHECK_STAGES:-"env tests crosscheck quantize linear train native"}
 TRAIN_STEPS=${TRAIN_STEPS:-20}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}  # e.g. --scan_layers, should compiling 12 blocks not fit its box
 REPO=$(pwd)
@@ -156,7 +156,7 @@ for s in $STAGES; do
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
       stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
-    *) echo "unknown stage $s (allowed: env tests quantize linear train crosscheck native)" ;;
+    *) echo "unknown stage $s (allowed: env tests crosscheck quantize linear train native)" ;;
   esac
 done
 

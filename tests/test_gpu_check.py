@@ -107,17 +107,17 @@ def test_env_and_tiny_linear_stages(tmp_path):
   env, md = gpu_check.env_stage(True, str(tmp_path))
   assert env["backend"] == "cpu" and env["pallas_interprets"] is True
   assert "| grain |" in md
-  rows = bench_kernels.linear_rows((64, 64, 32), ["mxfp4-dh16"], ["xla", "pallas"], 1,
+  rows = bench_kernels.linear_rows((64, 64, 32), ["mxfp4"], ["pallas"], 1,
                                    hlo_dir=str(tmp_path))
   by_name = {r["name"]: r for r in rows}
-  assert set(by_name) == {bench_kernels.BASELINE, "mxfp4-dh16 (xla)", "mxfp4-dh16 (pallas)"}
+  assert set(by_name) == {bench_kernels.BASELINE, "mxfp4 (pallas)"}
   assert by_name[bench_kernels.BASELINE]["vs_bf16"] == 1.0
   for r in rows:
     assert r["ms"] > 0 and r["kernels"] >= 1
     assert math.isclose(r["TFLOP/s"], 6 * 64 * 64 * 32 / (r["ms"] * 1e-3) / 1e12)
-  assert len(os.listdir(tmp_path)) == 3  # one HLO text per variant
+  assert len(os.listdir(tmp_path)) == 2  # one HLO text per variant
   table = bench_kernels.markdown(rows, bench_kernels.LINEAR_COLUMNS, "layer")
-  assert table.count("\n") == 4 and "mxfp4-dh16 (pallas)" in table
+  assert table.count("\n") == 3 and "| mxfp4 (pallas) |" in table
 
 
 def _write(path, obj):

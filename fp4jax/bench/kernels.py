@@ -3,8 +3,11 @@
   python -m fp4jax.bench kernels [--size S] [--linear M,K,N] [--repeats R] [--out FILE]
 
 Input: one [S, S] bf16 tensor (GPU default S = 8192, CPU 2048). Every
-variant is timed round-robin in one run; the fastest of `--repeats` calls is
-kept (the least disturbed on a shared machine). Bytes = bytes read + bytes
+variant is compiled ahead of time and timed round-robin in one run; the
+fastest of `--repeats` samples is kept (the least disturbed on a shared
+machine; a sample: back-to-back calls filling ~1 ms, see `measure`). The
+`kernels` column counts one call's kernel launches in the optimized HLO
+(fp4jax.bench.hlo_stats). Bytes = bytes read + bytes
 written: a quantize reads 2 B/element and writes 0.5 B of packed E2M1 plus
 1/32 B of E8M0 scale; a fake quantize reads and writes 2 B/element.
 
@@ -19,7 +22,8 @@ written: a quantize reads 2 B/element and writes 0.5 B of packed E2M1 plus
   linear              fwd+bwd of Y = X W ([M,K] x [K,N], bf16) with the
                       `mxfp4-dh16` recipe per dot_general backend, against
                       plain bf16 lax.dot_general (GPU default M,K,N =
-                      16384,4096,14336; CPU 1024,1024,1024)
+                      16384,4096,14336; CPU 1024,1024,1024); TFLOP/s counts
+                      the three GEMMs' 6MKN flops
   gemm fwd only       (GPU) Y = X W alone: bf16 vs kernels.gemm.matmul_packed
                       on operands quantized beforehand
 """
@@ -108,27 +112,35 @@ def gemm_variants(x, w):
   return fns, args
 
 
-def measure(fns, args, repeats):
-  """name -> {"seconds": fastest of `repeats` round-robin calls, "hlo": the
-  optimized HLO text} or {"error": one line}; fns are jitted.
+def measure(fns, args, repeats, sample_s=1e-3):
+  """name -> {"seconds": per call, the fastest of `repeats` round-robin
+  samples; "hlo": the optimized HLO text} or {"error": one line}; fns are jitted.
 
   Each is compiled once, ahead of time; a variant that cannot run here is
-  reported, not fatal.
+  reported, not fatal. A sample is as many back-to-back calls as fill about
+  `sample_s` (at least one), timed to the last result, so that on a GPU the
+  dispatch of one call overlaps the previous call's kernels.
   """
   out, live = {}, {}
   for name, fn in fns.items():
     try:
       compiled = fn.lower(*args[name]).compile()
       jax.block_until_ready(compiled(*args[name]))  # warm up
-      live[name] = compiled
-      out[name] = {"seconds": float("inf"), "hlo": compiled.as_text()}
+      t = time.perf_counter()
+      jax.block_until_ready(compiled(*args[name]))
+      calls = max(1, min(20, round(sample_s / (time.perf_counter() - t))))
+      live[name] = compiled, calls
+      out[name] = {"seconds": float("inf"), "calls_per_sample": calls,
+                   "hlo": compiled.as_text()}
     except Exception as e:  # pylint: disable=broad-except
       out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
   for _ in range(repeats):
-    for name, compiled in live.items():
+    for name, (compiled, calls) in live.items():
       t = time.perf_counter()
-      jax.block_until_ready(compiled(*args[name]))
-      out[name]["seconds"] = min(out[name]["seconds"], time.perf_counter() - t)
+      for _ in range(calls):
+        result = compiled(*args[name])
+      jax.block_until_ready(result)
+      out[name]["seconds"] = min(out[name]["seconds"], (time.perf_counter() - t) / calls)
   return out
 
 
