@@ -10,8 +10,9 @@ tokens), ~125M with a 32K-token tokenizer. bf16 compute; 1,500 steps of
 with the byte tokenizer). For a real corpus, point data at C4 as in
 configs/llama3_8b_c4.py (--config.data.source=files --config.data.path=...
 --config.data.tokenizer=...). Not run yet (no GPU was available when this was
-written); the size is an estimate (~10 minutes a recipe): check the first
-run's tokens/s and adjust steps.
+written); the size is an estimate (~10 minutes a recipe). The train stages of
+benchmarks/gpu_check.sh measure this config's tokens/s, peak memory and the
+time of its 1,500 steps (docs/performance.md); adjust steps from those.
 """
 
 from fp4jax import trainer

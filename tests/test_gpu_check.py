@@ -96,6 +96,11 @@ def test_flops_per_token_counts_every_matrix_once():
   assert train_speed.flops_per_token(model, 1024) == want
 
 
+def test_native_stage_says_why_it_is_skipped(tmp_path):
+  result, md = gpu_check.native_stage(True, str(tmp_path))
+  assert result["skipped"] == gpu_check.native_unsupported() and md.startswith("skipped: ")
+
+
 def test_dependencies_come_from_pyproject():
   names = gpu_check.dependencies()
   assert {"jax", "grain", "ml-collections", "hypothesis", "tensorboardX"} <= set(names)
@@ -144,6 +149,7 @@ def test_summary_checks_each_goal(tmp_path):
   _write(os.path.join(w, "crosscheck.json"), {"rows": [
       {"case": "a", "pallas vs xla": {"mismatched": 3, "elements": 10}},
       {"case": "b", "pallas vs xla": {"error": "failed"}}]})
+  _write(os.path.join(w, "env.json"), {"backend": "gpu", "pallas_interprets": True})
   with open(os.path.join(w, "pytest.xml"), "w") as f:
     f.write('<testsuites><testsuite tests="9" failures="1" errors="0" skipped="2">'
             '</testsuite></testsuites>')
@@ -157,6 +163,7 @@ def test_summary_checks_each_goal(tmp_path):
   assert met["train step mxfp4-dh16 (pallas)"] == (pytest.approx(1.25), True)
   assert met["pallas vs xla, same device"] == (4, False)
   assert met["GPU tests failed or errored"] == (1, False)
+  assert met["Pallas interprets on the GPU (1 = yes"] == (1, False)
   assert result["tests"] == {"tests": 9, "failures": 1, "errors": 0, "skipped": 2}
   assert "| linear | 124 (timed out) | 150 | 150 |" in md
 

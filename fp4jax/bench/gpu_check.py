@@ -9,14 +9,14 @@ STAGE:
   quantize  fused quantize and fake quantize (row, column, +-H16) against a
             copy of one [S, S] bf16 tensor (S = 8192; --tiny 256)
   linear    forward+backward of one [M,K] x [K,N] bf16 layer for plain bf16
-            and the fp8, mxfp4 and mxfp4-dh16 recipes on each dot_general
-            backend, at the 8B MLP shape (16384, 4096, 14336) and the
+            and the fp8, mxfp4 and mxfp4-dh16 recipes on the `xla` and
+            `pallas` dot_general backends, at the 8B MLP shape (16384, 4096, 14336) and the
             attention shape (16384, 4096, 4096); the forward GEMM alone,
             bf16 against the packed-MXFP4 Pallas GEMM; the optimized HLO of
             every variant goes to DIR/hlo/ and its kernel count to the table
-  native    the `native` dot_general backend, where this checkout has one and
-            the GPU has block-scaled FP4 units (compute capability >= 10);
-            otherwise records why it was skipped
+  native    the linear stage on the `native` dot_general backend, where this
+            checkout has one and the GPU has block-scaled FP4 units (compute
+            capability >= 10); otherwise records why it was skipped
 Each writes DIR/STAGE.json and DIR/STAGE.md. The numbers are fastest-of-R
 wall times of compiled executables (fp4jax.bench.kernels.measure).
 """
@@ -35,7 +35,6 @@ import jax
 from fp4jax import recipes
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.bench.train_speed import H200_BF16_TFLOPS
-from fp4jax.kernels import native
 from fp4jax.kernels import quantize as kq
 
 H200_HBM_TBS = 4.8  # HBM3e bandwidth, same datasheet
@@ -66,17 +65,20 @@ def package_versions(names):
 
 
 def native_unsupported():
-  """Why the `native` dot_general backend cannot be timed here, or None."""
+  """Why the `native` dot_general backend cannot be timed here, or None.
+
+  Asks the backend's own device check (fp4jax.backends.native, which comes
+  with the backend); a checkout without the backend says so.
+  """
   if "native" not in recipes.BACKENDS:
     return (f"this checkout has no `native` backend "
             f"(recipes.BACKENDS = {recipes.BACKENDS})")
-  return native.unsupported_reason()
+  try:
+    from fp4jax.backends import native  # pylint: disable=g-import-not-at-top
+    return native.unsupported_device()
+  except (ImportError, AttributeError) as e:  # keep the other stages running
+    return f"cannot ask fp4jax.backends.native.unsupported_device(): {e}"
 
-
-def backends():
-  """(dot_general backends to time, why `native` is left out or None)."""
-  reason = native_unsupported()
-  return (["xla", "pallas"], reason) if reason else (["xla", "pallas", "native"], None)
 
 
 def env_stage(tiny, work):
@@ -93,7 +95,7 @@ def env_stage(tiny, work):
                for d in jax.devices()],
       memory_limit_gib=stats.get("bytes_limit", 0) / 2**30 or None,
       pallas_interprets=kq.interpret_mode(None),
-      native_unsupported=native_unsupported(), backends=backends()[0],
+      native_unsupported=native_unsupported(),
       xla_flags=os.environ.get("XLA_FLAGS", ""), packages={**deps, **others},
       missing=[name for name, v in deps.items() if v is None])
   lines = [f"- {k}: {v}" for k, v in result.items() if k != "packages"]
@@ -135,25 +137,20 @@ def _linear_tables(shapes, recipe_names, backend_names, repeats, work, gemm_only
   return tables, mds
 
 
-def linear_stage(tiny, work):
+def linear_stage(tiny, work, backend_names=("xla", "pallas"), gemm_only=True):
   shapes, repeats = (TINY_LINEAR_SHAPES, 2) if tiny else (LINEAR_SHAPES, 10)
-  backend_names, why_not_native = backends()
   tables, mds = _linear_tables(shapes, LINEAR_RECIPES, backend_names, repeats, work,
-                               gemm_only=True)
-  md = bench_kernels.header(repeats) + "\n\n" + "\n\n".join(mds)
-  if why_not_native:
-    md += f"\n\nnative backend not timed: {why_not_native}"
-  return {"repeats": repeats, "tables": tables, "native_skipped": why_not_native}, md
+                               gemm_only)
+  return ({"repeats": repeats, "tables": tables},
+          bench_kernels.header(repeats) + "\n\n" + "\n\n".join(mds))
 
 
 def native_stage(tiny, work):
-  _, why_not = backends()
+  """The linear stage on the `native` backend alone (bf16 baseline included)."""
+  why_not = native_unsupported()
   if why_not:
     return {"skipped": why_not}, f"skipped: {why_not}"
-  shapes, repeats = (TINY_LINEAR_SHAPES[:1], 2) if tiny else (LINEAR_SHAPES[:1], 10)
-  tables, mds = _linear_tables(shapes, ("mxfp4", "mxfp4-dh16"), ["native"], repeats, work,
-                               gemm_only=False)
-  return {"repeats": repeats, "tables": tables}, bench_kernels.header(repeats) + "\n\n" + mds[0]
+  return linear_stage(tiny, work, ("native",), gemm_only=False)
 
 
 STAGES = {"env": env_stage, "quantize": quantize_stage, "linear": linear_stage,

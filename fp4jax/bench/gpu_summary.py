@@ -86,6 +86,10 @@ def goals(work):
     errors = sum("error" in r.get("pallas vs xla", {}) for r in cross["rows"])
     out.append(_goal("pallas vs xla, same device: differing elements (+ cases that failed)",
                      bad + errors, 0))
+  env = _load(os.path.join(work, "env.json"))
+  if env and env.get("backend") == "gpu":
+    out.append(_goal("Pallas interprets on the GPU (1 = yes: nothing was compiled)",
+                     int(bool(env.get("pallas_interprets"))), 0))
   tests = pytest_counts(work)
   if tests:
     out.append(_goal("GPU tests failed or errored", tests["failures"] + tests["errors"], 0))
