@@ -8,6 +8,12 @@ compared with the exact float32 GEMM:
   lhs_err, rhs_err  relative error ||q(a) - a|| / ||a|| of each operand as the
                     role quantizes it (after its rotation, if any);
   out_err, out_cos  relative error and cosine similarity of the GEMM output;
+  snr               signal-to-noise ratio of the GEMM output, ||exact|| /
+                    ||quantized - exact|| (= 1 / out_err). For Wgrad it is the
+                    weight gradient's norm over its quantization error's:
+                    Chmiel et al. ("FP4 All the Way", 2025) find that FP4
+                    training stops making progress once it falls below about
+                    sqrt(3);
   bias              ||mean of the last k output errors|| / mean of their norms
                     (1: the same error every step; ~1/sqrt(k): independent);
   step_cos          cosine between the output errors at steps t-1 and t.
@@ -17,7 +23,8 @@ Wgrad error is the same every step while random methods' errors accumulate;
 bias and step_cos of the wgrad error measure exactly that. They are computed
 on the training batch (wgrad only: its error lives in weight space, the same
 coordinates every step) and on a fixed reference batch (all roles: identical
-inputs for every recipe and step, only the weights move).
+inputs for every recipe and step, only the weights move). The snr of every
+role is logged on the training batch too: that is the gradient training uses.
 
 `make_callback` returns a trainer callback `cb(step, state, batch)` that
 measures chosen layers on `window` consecutive steps every `every` steps and
@@ -40,7 +47,7 @@ from fp4jax import dot as fp4dot
 from fp4jax.recipes import ROLES
 
 SOURCES = ("train", "ref")
-GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos")
+GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos", "snr")
 WINDOW_STATS = ("bias", "step_cos")
 _DN = (((1,), (0,)), ((), ()))  # x_MxK . w_KxN
 
@@ -64,6 +71,15 @@ def cosine(a, b):
   a = jnp.asarray(a, jnp.float32).ravel()
   b = jnp.asarray(b, jnp.float32).ravel()
   return _ratio(jnp.dot(a, b), jnp.linalg.norm(a) * jnp.linalg.norm(b))
+
+
+def signal_to_noise(approx, exact):
+  """||exact|| / ||approx - exact|| over all elements (inf when they are equal, NaN when both are zero)."""
+  exact = jnp.asarray(exact, jnp.float32)
+  noise = jnp.linalg.norm((jnp.asarray(approx, jnp.float32) - exact).ravel())
+  signal = jnp.linalg.norm(exact.ravel())
+  return jnp.where(noise > 0, signal / jnp.where(noise > 0, noise, 1.0),
+                   jnp.where(signal > 0, jnp.inf, jnp.nan))
 
 
 def error_bias(errors):
@@ -172,7 +188,8 @@ def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None):
     (a_q, a_ref), (b_q, b_ref) = role_operands(recipe, role, a, b, a_axis, b_axis, role_key)
     out_q, out = quant[role].astype(jnp.float32), exact[role]
     stats[role] = {"lhs_err": relative_error(a_q, a_ref), "rhs_err": relative_error(b_q, b_ref),
-                   "out_err": relative_error(out_q, out), "out_cos": cosine(out_q, out)}
+                   "out_err": relative_error(out_q, out), "out_cos": cosine(out_q, out),
+                   "snr": signal_to_noise(out_q, out)}
     errors[role] = out_q - out
   return stats, errors
 
@@ -245,8 +262,11 @@ class _Callback:
       for li, (layer, (lhs, rhs, dy)) in enumerate(ops.items()):
         stats, errors = jax.device_get(
             self.stats_fn(*as_matrices(lhs, rhs, dy), jax.random.fold_in(key, li + 1)))
-        for role in (ROLES if source == "ref" else ("wgrad",)):
+        for role in ROLES:
           prefix = f"diag/{source}/{layer}/{role}"
+          if source == "train" and role != "wgrad":
+            row[f"{prefix}/snr"] = float(stats[role]["snr"])
+            continue
           row.update({f"{prefix}/{k}": float(v) for k, v in stats[role].items()})
           win = self.windows.setdefault(prefix, ErrorWindow(self.window))
           row.update({f"{prefix}/{k}": v for k, v in win.add(step, errors[role]).items()})

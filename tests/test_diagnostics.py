@@ -15,6 +15,7 @@ from fp4jax import diagnostics as D
 from fp4jax import formats
 from fp4jax import model as model_lib
 from fp4jax import recipes
+from tests import numpy_reference as ref
 
 
 def test_relative_error_and_cosine():
@@ -23,6 +24,43 @@ def test_relative_error_and_cosine():
   assert D.cosine(e, 2 * e) == pytest.approx(1.0)
   assert D.cosine(e, jnp.array([-4.0, 3.0])) == pytest.approx(0.0, abs=1e-7)
   assert np.isnan(D.cosine(e, jnp.zeros(2)))
+
+
+def test_signal_to_noise_on_hand_built_errors():
+  exact = jnp.array([3.0, 4.0])  # norm 5
+  assert D.signal_to_noise(exact + jnp.array([0.6, 0.8]), exact) == pytest.approx(5.0)
+  assert D.signal_to_noise(exact + jnp.array([-3.0, 0.0]), exact) == pytest.approx(5 / 3)
+  assert D.signal_to_noise(exact, exact) == np.inf
+  assert np.isnan(D.signal_to_noise(jnp.zeros(2), jnp.zeros(2)))
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4-dh16-even"])
+def test_fprop_snr_matches_a_numpy_reference(name):
+  """||X W|| / ||q(X) q(W) - X W|| with q from the independent NumPy
+  quantizer (MXFP4 blocks of 32 along K; H16 applied by hand)."""
+  x, w, dy = _operands()
+  recipe = recipes.recipe(name)
+  spec = recipe.fprop.lhs
+  xr, wr = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  if recipe.fprop.hadamard is not None:
+    h = np.kron(np.eye(x.shape[1] // 16), _sylvester(16) / 4)
+    xr, wr = xr @ h, h.T @ wr
+  xq = ref.quantize(xr.astype(np.float32), "mxfp4", scale_mode=spec.scale_mode, axis=1)["y"]
+  wq = ref.quantize(wr.astype(np.float32), "mxfp4", scale_mode=spec.scale_mode, axis=0)["y"]
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  want = np.linalg.norm(exact) / np.linalg.norm(xq.astype(np.float64) @ wq - exact)
+  stats, _ = _stats(name, x, w, dy)
+  assert float(stats["fprop"]["snr"]) == pytest.approx(want, rel=1e-3)
+  assert float(stats["fprop"]["snr"]) == pytest.approx(1 / float(stats["fprop"]["out_err"]),
+                                                       rel=1e-5)
+  assert 2 < want < 100
+
+
+def _sylvester(n):
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
 
 
 def test_fixed_error_has_bias_one():
@@ -172,6 +210,11 @@ def test_callback_on_fixed_weights():
   assert rows[3] is None
   assert "diag/train/block_0/attn/q/wgrad/out_err" in rows[0]
   assert "diag/train/block_0/attn/q/fprop/out_err" not in rows[0]
+  # The SNR of every role on the training batch (here the reference batch
+  # too: the deterministic fprop gives the same number on both).
+  assert rows[0]["diag/train/block_0/attn/q/fprop/snr"] == pytest.approx(
+      1 / rows[0]["diag/ref/block_0/attn/q/fprop/out_err"], rel=1e-5)
+  assert all(1 < rows[0][f"diag/train/block_0/attn/q/{r}/snr"] < 1e3 for r in D.ROLES)
   ref = "diag/ref/block_0/attn/q"
   assert f"{ref}/fprop/bias" not in rows[1] and f"{ref}/fprop/step_cos" in rows[1]
   assert f"{ref}/fprop/step_cos" not in rows[4]  # step 3 was not measured
