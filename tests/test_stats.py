@@ -141,3 +141,17 @@ def test_verdict_reads_the_interval_not_the_mean():
   assert stats.contrast_verdict(below, "!= 0") == "inconclusive"  # reaches beyond -margin
   assert stats.contrast_verdict(below, "> 0") == "contradicted"
   assert stats.contrast_verdict(stats.Interval(0.05, 0.04, 0.06, 1), "> 0") == "inconclusive"
+
+
+def test_snr_crossing_measured_and_extrapolated():
+  steps = np.arange(0, 301, 50)
+  falling = 8.0 * np.exp(-steps / 100)  # reaches sqrt(3) at 100 ln(8 / sqrt 3) = 153
+  got = stats.threshold_crossing(steps, falling)
+  want = 100 * math.log(8 / math.sqrt(3))
+  assert not got.extrapolated and got.step == pytest.approx(want, rel=1e-6)
+  slow = 8.0 * np.exp(-steps / 1000)  # within the run it stays above: extrapolate
+  got = stats.threshold_crossing(steps, slow)
+  assert got.extrapolated and got.step == pytest.approx(1000 * math.log(8 / math.sqrt(3)))
+  assert got.slope == pytest.approx(-1e-3)
+  flat = stats.threshold_crossing(steps, 5.0 + 0.01 * steps)
+  assert flat.step is None and flat.slope > 0

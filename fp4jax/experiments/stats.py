@@ -249,3 +249,50 @@ def verdict_lines(final_loss, margin=0.01, claims=CLAIMS) -> list[str]:
     verdict = "not run" if "not run" in verdicts else claim_verdict(verdicts)
     lines.append(f"- **{verdict}**: {claim.text}. " + "; ".join(parts) + ".")
   return lines
+
+
+# ------------------------------------------------------------ gradient signal-to-noise
+
+SNR_THRESHOLD = math.sqrt(3)
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+  """Where a signal-to-noise series reaches the threshold.
+
+  step: the first step at or below it, interpolated in ln(snr) between the
+  two measurements around it (measured), or where the log-linear trend
+  ln snr = a + slope * step fitted to the later measurements reaches it
+  (extrapolated = True); None when neither (the trend does not fall).
+  """
+  step: float | None
+  extrapolated: bool
+  slope: float
+
+
+def threshold_crossing(steps, snr, threshold=SNR_THRESHOLD, fit_from=0.5) -> Crossing:
+  """The Crossing of the series (steps increasing, snr > 0) with `threshold`.
+
+  The trend is fitted to the measurements at steps >= fit_from * last step
+  (all of them when fewer than two steps are that late).
+  """
+  steps, snr = np.asarray(steps, np.float64), np.asarray(snr, np.float64)
+  keep = np.isfinite(snr) & (snr > 0)
+  steps, log_snr = steps[keep], np.log(snr[keep])
+  if steps.size < 2:
+    return Crossing(None, False, math.nan)
+  late = steps >= fit_from * steps[-1]
+  if np.unique(steps[late]).size < 2:
+    late = np.ones_like(late)
+  slope, intercept = np.polyfit(steps[late], log_snr[late], 1)
+  log_thr = math.log(threshold)
+  below = np.nonzero(log_snr <= log_thr)[0]
+  if below.size:
+    i = int(below[0])
+    if i == 0:
+      return Crossing(float(steps[0]), False, float(slope))
+    s0, s1, l0, l1 = steps[i - 1], steps[i], log_snr[i - 1], log_snr[i]
+    return Crossing(float(s0 + (l0 - log_thr) / (l0 - l1) * (s1 - s0)), False, float(slope))
+  if slope >= 0:
+    return Crossing(None, True, float(slope))
+  return Crossing(float((log_thr - intercept) / slope), True, float(slope))
