@@ -26,7 +26,7 @@ def _tiny_ablation_config():
   config.warmup_steps = 1
   config.eval_every = 2
   config.eval_batches = 2
-  config.eval_batch_size = 4
+  config.eval_batch_size = 8
   config.checkpoint_every = 100
   config.async_checkpointing = False
   config.ablation.recipes = "bf16,fp8"

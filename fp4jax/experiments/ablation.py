@@ -150,6 +150,7 @@ def _status(path):
 def _add_wall(path, seconds):
   """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)."""
   file = os.path.join(path, "wall.json")
+  os.makedirs(path, exist_ok=True)  # a run that failed at start made none
   total = 0.0
   if os.path.exists(file):
     with open(file) as f:
