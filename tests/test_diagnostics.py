@@ -12,6 +12,7 @@ import flax.linen as nn
 import pytest
 
 from fp4jax import diagnostics as D
+from fp4jax import dot as fp4jax_dot
 from fp4jax import formats
 from fp4jax import model as model_lib
 from fp4jax import recipes
@@ -180,7 +181,8 @@ def test_capture_gives_the_layer_gradient():
   params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
   cap = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
   ops = jax.jit(functools.partial(D.capture, cap, ("block_0/mlp/down",)))(params, tokens)
-  x, w, dy = D.as_matrices(*ops["block_0/mlp/down"])
+  assert ops["block_0/mlp/down"][3] is None  # no per-layer signs: no layer key
+  x, w, dy = D.as_matrices(*ops["block_0/mlp/down"][:3])
 
   def loss(p):
     logits = model.apply({"params": p}, tokens[:, :-1])
@@ -225,3 +227,33 @@ def test_callback_on_fixed_weights():
       assert bias == pytest.approx(1.0, abs=1e-6) and cos == pytest.approx(1.0, abs=1e-6)
     else:
       assert bias < 0.95 and cos < 0.9
+
+
+def test_per_layer_signs_reach_the_diagnostics():
+  """mxfp4-lh16: each layer sows its own key; the callback measures with it
+  (needs the run's layer key), and the fprop error it reports is the one of
+  the GEMM the model ran (same signs)."""
+  model = _tiny_model("mxfp4-lh16")
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 33), 0, 64))
+  run_key = jax.random.key(7)
+  params = model.init({"params": jax.random.key(1), "hadamard": run_key},
+                      tokens[:, :-1])["params"]
+  cap = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
+  layers = ("block_0/attn/q", "block_0/mlp/down")
+  ops = jax.jit(functools.partial(D.capture, cap, layers))(params, tokens, None, run_key)
+  keys = [jax.random.key_data(ops[name][3]) for name in layers]
+  assert not np.array_equal(keys[0], keys[1])
+  x, w, dy = D.as_matrices(*ops["block_0/attn/q"][:3])
+  recipe = model.recipe
+  stats, errors = jax.jit(functools.partial(D.gemm_stats, recipe))(x, w, dy, None,
+                                                                   ops["block_0/attn/q"][3])
+  y_model = fp4jax_dot.dot_general(recipe)(x, w, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32,
+                                           layer_key=ops["block_0/attn/q"][3])
+  np.testing.assert_allclose(errors["fprop"] + x @ w, y_model, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="layer_key"):
+    D.make_callback(model, tokens, layers=["block_0/attn/q"], every=4, window=2)
+  cb = D.make_callback(model, tokens, layers=["block_0/attn/q"], every=4, window=2,
+                       layer_key=run_key)
+  row = cb(1, types.SimpleNamespace(params=params), tokens)
+  assert 1 < row["diag/train/block_0/attn/q/wgrad/snr"] < 1e3

@@ -53,6 +53,7 @@ from fp4jax import diagnostics
 from fp4jax import model as model_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax import train_config
+from fp4jax import train_step
 from fp4jax import trainer
 from fp4jax.experiments import report
 
@@ -136,7 +137,8 @@ def diagnostics_callback(config, cfg):
   layers = [n.strip() for n in diag.layers.split(",") if n.strip()] or None
   return diagnostics.make_callback(
       model_lib.Llama(model_cfg, recipe), ref_batch, layers=layers,
-      every=diag.every, window=diag.window, seed=cfg.seed)
+      every=diag.every, window=diag.window, seed=cfg.seed,
+      layer_key=train_step.layer_key(jax.random.key(cfg.seed)))
 
 
 def _status(path):
