@@ -426,10 +426,11 @@ def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
 
 def validation_batches(data_cfg, tokenizer, *, seq_len, batch_size,
                        num_batches, process_index=0, process_count=1):
-  """The fixed validation set: num_batches arrays int32[b, seq_len + 1].
+  """Validation documents packed from their starts: num_batches arrays int32[b, seq_len + 1].
 
-  Documents are read in order (repeating if the split is short), so the list
-  is the same for every run, seed and recipe.
+  Row r packs documents r, r + batch_size, ... in order (repeating if the
+  split is short), so the windows are the openings of the documents; the
+  trainer evaluates on `validation_windows` instead, which samples all of them.
   """
   batches = _batches(data_cfg, tokenizer, "validation", None, seq_len,
                      batch_size, process_index, process_count)
