@@ -26,7 +26,16 @@ projection, on 3 consecutive steps every 100 (bias, step cosine, SNR).
 Checkpoints: at the end only (a run is ~1 minute; an interrupted one restarts,
 finished runs are skipped).
 
-Time: TIMING
+Time: not measured on a quiet machine. Pilot on 2026-12-01 (this config's
+training, evaluation and diagnostics; eval every 30 and diagnostics every 75
+at the time), load average 15-20 from other jobs on the 2 cores: fp8 seed 0
+698 s (first run of the process, cold compilation cache), mxfp4-dh16 seed 0
+287 s (new recipe: compiles), fp8 seed 1 334 s (cache warm: first step 9.5 s
+against 161 s). Steady training steps took 0.30-0.76 s (median per run)
+against 0.065 s on a quiet machine; scaled by that ratio: ~150 s, ~56 s and
+~28 s. Extrapolated: 13 compiling runs at ~60 s and 40 cached ones at ~40 s
+(slack for SR, ~1.4x slower) = about 40 minutes on a quiet machine, 50-55
+with a 1.3x margin; expect up to ~1.5x more at a load average of 2-5.
 """
 
 from fp4jax import trainer
