@@ -1,21 +1,41 @@
-"""The staged ablation on a 2-core CPU: 9 recipes x one tiny Llama.
+"""The staged ablation on a 2-core CPU: 13 recipes x one tiny Llama, paired over seeds.
 
   python -m fp4jax.experiments.ablation --config=configs/ablation_tiny.py \
       --workdir=runs/ablation_tiny
 
 Same model (tiny: dim 128, 4 layers, 4 heads, 2 kv heads, MLP 384; 861K
-parameters; bf16 compute), data (stdlib corpus, byte tokenizer) and seed for
-every recipe: 300 steps of 16 x 64 tokens (307K tokens); 16 rows read 16
-files side by side, to average the training data over more files per step.
-Measured: 12 minutes for the 9 recipes at a load average of 2-5 (50-90 s a
-recipe, mxfp4-sr 111 s: stochastic rounding draws random bits for every
-backward operand); a pilot under a load average of 10-12 ran about 4x slower.
+parameters; bf16 compute) and data (stdlib corpus, byte tokenizer) for every
+recipe; seed s fixes the initialisation and data order of every recipe's run
+s, so recipes are compared seed by seed. 300 steps of 16 x 64 tokens (307K
+tokens); 16 rows read 16 files side by side.
 
-The target is fp8's validation loss at 75% of its tokens rather than its
-final loss: with one fixed budget, a recipe slower than fp8 would never reach
-fp8's final loss (in the paper, runs stop at the MLPerf target rather than
-at a fixed budget). Diagnostics: the first block's q projection and the last
-block's MLP down projection, on 4 consecutive steps every 50.
+Seeds: 5 for the recipes of the paper's contrasts (fp8, mxfp4-fprop,
+mxfp4-fprop-dgrad, mxfp4, mxfp4-sr, mxfp4-rh16, mxfp4-dh16, mxfp4-floor,
+mxfp4-dh16-floor), 3 for mxfp4-wdh16 and mxfp4-lh16, 1 for bf16 and
+mxfp4-dh32 (ablation.recipe_seeds): 53 runs.
+
+Evaluation: every 50 steps on 512 windows of 65 tokens (16 batches of 32)
+spread evenly through the 1.2M held-out tokens (fp4jax.data.validation_windows).
+Measured on two finished 300-step runs (fp8, mxfp4): the absolute standard
+error of the mean loss is 0.024 nats over windows (0.018 over batch means),
+that of the paired fp8 - mxfp4 difference 0.003 over windows (0.005 over
+batch means), against a difference of 0.030.
+
+Diagnostics: the first block's q projection and the last block's MLP down
+projection, on 3 consecutive steps every 100 (bias, step cosine, SNR).
+Checkpoints: at the end only (a run is ~1 minute; an interrupted one restarts,
+finished runs are skipped).
+
+Time: not measured on a quiet machine. Pilot on 2026-12-01 (this config's
+training, evaluation and diagnostics; eval every 30 and diagnostics every 75
+at the time), load average 15-20 from other jobs on the 2 cores: fp8 seed 0
+698 s (first run of the process, cold compilation cache), mxfp4-dh16 seed 0
+287 s (new recipe: compiles), fp8 seed 1 334 s (cache warm: first step 9.5 s
+against 161 s). Steady training steps took 0.30-0.76 s (median per run)
+against 0.065 s on a quiet machine; scaled by that ratio: ~150 s, ~56 s and
+~28 s. Extrapolated: 13 compiling runs at ~60 s and 40 cached ones at ~40 s
+(slack for SR, ~1.4x slower) = about 40 minutes on a quiet machine, 50-55
+with a 1.3x margin; expect up to ~1.5x more at a load average of 2-5.
 """
 
 from fp4jax import trainer
@@ -31,14 +51,16 @@ def get_config():
   config.seq_len = 64
   config.lr = 3e-3
   config.warmup_steps = 30
-  config.eval_every = 20
-  config.eval_batches = 4
+  config.eval_every = 50
+  config.eval_batches = 16
   config.eval_batch_size = 32
-  config.checkpoint_every = 100
-  config.log_every = 25
+  config.checkpoint_every = 300
+  config.log_every = 50
   config.ablation = ablation.ablation_config()
+  config.ablation.seeds = 5
+  config.ablation.recipe_seeds = "bf16:1,mxfp4-wdh16:3,mxfp4-lh16:3,mxfp4-dh32:1"
   config.ablation.target_at = 0.75
   config.diagnostics = ablation.diagnostics_config()
-  config.diagnostics.every = 50
-  config.diagnostics.window = 4
+  config.diagnostics.every = 100
+  config.diagnostics.window = 3
   return config

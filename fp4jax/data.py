@@ -27,7 +27,10 @@ Sources (data.source):
 Without a separate validation set, a document is in validation when a stable
 hash (sha256) of its file path (and line number, for JSON lines) falls below
 data.val_fraction. Training epochs repeat endlessly, each with a new shuffle;
-validation is read in order and is the same for every run and recipe.
+validation is read in order and is the same for every run and recipe:
+`validation_windows` (what the trainer evaluates on) spreads its windows
+evenly through the held-out stream, `validation_batches` packs it from the
+start of each document.
 """
 
 import collections
@@ -61,6 +64,8 @@ def data_config():
       tokenizer="bytes",    # "bytes", a .model or a tokenizer.json path
       text_key="text",      # JSON / TFDS field holding the document
       val_fraction=0.05,    # share of documents in validation (hash split)
+      val_tokens=2**22,     # evaluation windows are spread over the first this
+                            # many held-out tokens (validation_windows)
       train_split="train",  # tfds splits
       val_split="validation",
   ))
@@ -421,11 +426,77 @@ def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
 
 def validation_batches(data_cfg, tokenizer, *, seq_len, batch_size,
                        num_batches, process_index=0, process_count=1):
-  """The fixed validation set: num_batches arrays int32[b, seq_len + 1].
+  """Validation documents packed from their starts: num_batches arrays int32[b, seq_len + 1].
 
-  Documents are read in order (repeating if the split is short), so the list
-  is the same for every run, seed and recipe.
+  Row r packs documents r, r + batch_size, ... in order (repeating if the
+  split is short), so the windows are the openings of the documents; the
+  trainer evaluates on `validation_windows` instead, which samples all of them.
   """
   batches = _batches(data_cfg, tokenizer, "validation", None, seq_len,
                      batch_size, process_index, process_count)
   return [next(batches) for _ in range(num_batches)]
+
+
+def _validation_stream(cfg, tokenizer, max_tokens):
+  """The held-out documents in order as one int32 stream BOS doc EOS BOS ...
+
+  Stops after `max_tokens` tokens or at the end of the split, whichever
+  comes first (the split is read once, never repeated).
+  """
+  corpus = _corpus(cfg, "validation")
+  if isinstance(corpus, grain.MapDataset):
+    texts = (corpus[i] for i in range(len(corpus)))
+  else:
+    reader = corpus(None, [0], 1)
+
+    def read_once():
+      while True:
+        text = reader.next_text(0)
+        if reader.after[0]["epoch"] > 0:  # wrapped around to the first document
+          return
+        yield text
+
+    texts = read_once()
+  pieces, total = [], 0
+  for text in texts:
+    pieces.append(np.concatenate([[tokenizer.bos_id], tokenizer.encode(text),
+                                  [tokenizer.eos_id]]).astype(np.int32))
+    total += pieces[-1].size
+    if total >= max_tokens:
+      break
+  return np.concatenate(pieces)[:max_tokens]
+
+
+def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
+                       num_batches, process_index=0, process_count=1):
+  """The evaluation set: num_batches arrays int32[b, seq_len + 1], b = batch_size // process_count.
+
+  The held-out stream (documents in order, BOS doc EOS, at most
+  data.val_tokens tokens) is cut into n = batch_size * num_batches windows
+  whose starts are evenly spaced from its first to its last token, so the
+  windows sample every part of the files, not their opening lines. Window j
+  is row j // num_batches of batch j % num_batches: every batch spans the
+  whole stream, so the batch means are alike and their spread gives the
+  evaluation's standard error. A function of the config only: the same
+  windows for every run, seed and recipe. Process p gets rows p*b .. p*b+b-1.
+  """
+  if seq_len < 1 or batch_size < 1 or num_batches < 1:
+    raise ValueError(f"seq_len ({seq_len}), batch size ({batch_size}) and "
+                     f"number of batches ({num_batches}) must be positive.")
+  if batch_size % process_count or not 0 <= process_index < process_count:
+    raise ValueError(
+        f"batch size {batch_size} must divide evenly over {process_count} "
+        f"processes, and process_index ({process_index}) lie in "
+        f"[0, {process_count}).")
+  stream = _validation_stream(data_cfg, tokenizer, data_cfg.val_tokens)
+  length, n = seq_len + 1, batch_size * num_batches
+  if stream.size < length:
+    raise ValueError(f"the validation split has {stream.size} tokens, fewer "
+                     f"than one window of seq_len + 1 = {length}.")
+  starts = np.round(np.linspace(0, stream.size - length, n)).astype(np.int64)
+  windows_BxNxL = stream[starts[:, None] + np.arange(length)].reshape(
+      batch_size, num_batches, length)
+  per_process = batch_size // process_count
+  mine = windows_BxNxL[process_index * per_process:
+                       (process_index + 1) * per_process]
+  return [np.ascontiguousarray(mine[:, i]) for i in range(num_batches)]

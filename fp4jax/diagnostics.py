@@ -8,6 +8,12 @@ compared with the exact float32 GEMM:
   lhs_err, rhs_err  relative error ||q(a) - a|| / ||a|| of each operand as the
                     role quantizes it (after its rotation, if any);
   out_err, out_cos  relative error and cosine similarity of the GEMM output;
+  snr               signal-to-noise ratio of the GEMM output, ||exact|| /
+                    ||quantized - exact|| (= 1 / out_err). For Wgrad it is the
+                    weight gradient's norm over its quantization error's:
+                    Chmiel et al. ("FP4 All the Way", 2025) find that FP4
+                    training stops making progress once it falls below about
+                    sqrt(3);
   bias              ||mean of the last k output errors|| / mean of their norms
                     (1: the same error every step; ~1/sqrt(k): independent);
   step_cos          cosine between the output errors at steps t-1 and t.
@@ -17,7 +23,8 @@ Wgrad error is the same every step while random methods' errors accumulate;
 bias and step_cos of the wgrad error measure exactly that. They are computed
 on the training batch (wgrad only: its error lives in weight space, the same
 coordinates every step) and on a fixed reference batch (all roles: identical
-inputs for every recipe and step, only the weights move).
+inputs for every recipe and step, only the weights move). The snr of every
+role is logged on the training batch too: that is the gradient training uses.
 
 `make_callback` returns a trainer callback `cb(step, state, batch)` that
 measures chosen layers on `window` consecutive steps every `every` steps and
@@ -40,7 +47,7 @@ from fp4jax import dot as fp4dot
 from fp4jax.recipes import ROLES
 
 SOURCES = ("train", "ref")
-GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos")
+GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos", "snr")
 WINDOW_STATS = ("bias", "step_cos")
 _DN = (((1,), (0,)), ((), ()))  # x_MxK . w_KxN
 
@@ -64,6 +71,15 @@ def cosine(a, b):
   a = jnp.asarray(a, jnp.float32).ravel()
   b = jnp.asarray(b, jnp.float32).ravel()
   return _ratio(jnp.dot(a, b), jnp.linalg.norm(a) * jnp.linalg.norm(b))
+
+
+def signal_to_noise(approx, exact):
+  """||exact|| / ||approx - exact|| over all elements (inf when they are equal, NaN when both are zero)."""
+  exact = jnp.asarray(exact, jnp.float32)
+  noise = jnp.linalg.norm((jnp.asarray(approx, jnp.float32) - exact).ravel())
+  signal = jnp.linalg.norm(exact.ravel())
+  return jnp.where(noise > 0, signal / jnp.where(noise > 0, noise, 1.0),
+                   jnp.where(signal > 0, jnp.inf, jnp.nan))
 
 
 def error_bias(errors):
@@ -122,12 +138,13 @@ def as_matrices(lhs, rhs, dy):
                    "as a linear layer [*M, *K] x [*K, *N] -> [*M, *N]")
 
 
-def role_operands(recipe, role, a, b, a_axis, b_axis, key=None):
+def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   """Both operands of one role as its GEMM consumes them, and their references.
 
   Returns ((a_q, a_ref), (b_q, b_ref)): q = rotated, quantized and cast to the
   compute dtype by `fp4jax.dot.quantize_operand` with the keys and signs
-  dot.py derives from the role key `key`; ref = rotated only (float32), so
+  dot.py derives from the role key `key` (and the role's layer key
+  `layer_key`, for per-layer signs); ref = rotated only (float32), so
   the relative error is the quantization error in the rotated basis (an
   orthonormal rotation keeps norms). A plain role returns its operands.
   Always the XLA path (tests/test_dot.py: bitwise equal to the Pallas one).
@@ -136,7 +153,7 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None):
   if gemm.is_plain:
     return (a, a), (b, b)
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
-  signs = fp4dot.rotation_signs(gemm.hadamard, keys[2])
+  signs = fp4dot.rotation_signs(gemm.hadamard, keys[2], layer_key)
   out = []
   for x, spec, axis, k in ((a, gemm.lhs, a_axis, keys[0]), (b, gemm.rhs, b_axis, keys[1])):
     ref = fp4dot.quantize_operand(x, None, gemm.hadamard, signs, axis, None, "xla")
@@ -145,18 +162,21 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None):
   return tuple(out)
 
 
-def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None):
+def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None, layer_key=None):
   """Statistics of the three quantized GEMMs of one layer against the exact ones.
 
   Returns ({role: {stat: scalar}} for GEMM_STATS, {role: output error array}):
   errors are quantized minus exact, shapes fprop [M, N], dgrad [M, K],
-  wgrad [K, N]. `key` is used by random recipes only.
+  wgrad [K, N]. `key` is used by random recipes only; `layer_key` (the key
+  the layer passed to dot_general, see `capture`) by per-layer signs only.
   """
   key = key if recipe.is_random else None
+  layer_key = layer_key if recipe.needs_layer_key else None
   x, w, dy = (jnp.asarray(a, jnp.float32) for a in (x_MxK, w_KxN, dy_MxN))
   dot = fp4dot.dot_general(recipe)
   y_q, vjp = jax.vjp(
-      lambda a, b: dot(a, b, _DN, preferred_element_type=jnp.float32, key=key), x, w)
+      lambda a, b: dot(a, b, _DN, preferred_element_type=jnp.float32, key=key,
+                       layer_key=layer_key), x, w)
   dx_q, dw_q = vjp(dy.astype(y_q.dtype))
   hi = jax.lax.Precision.HIGHEST
   exact = {"fprop": jnp.dot(x, w, precision=hi), "dgrad": jnp.dot(dy, w.T, precision=hi),
@@ -169,27 +189,34 @@ def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None):
   for i, role in enumerate(ROLES):
     a, b, a_axis, b_axis = operands[role]
     role_key = None if key is None else jax.random.fold_in(key, i)
-    (a_q, a_ref), (b_q, b_ref) = role_operands(recipe, role, a, b, a_axis, b_axis, role_key)
+    role_layer_key = None if layer_key is None else jax.random.fold_in(layer_key, i)
+    (a_q, a_ref), (b_q, b_ref) = role_operands(recipe, role, a, b, a_axis, b_axis, role_key,
+                                               role_layer_key)
     out_q, out = quant[role].astype(jnp.float32), exact[role]
     stats[role] = {"lhs_err": relative_error(a_q, a_ref), "rhs_err": relative_error(b_q, b_ref),
-                   "out_err": relative_error(out_q, out), "out_cos": cosine(out_q, out)}
+                   "out_err": relative_error(out_q, out), "out_cos": cosine(out_q, out),
+                   "snr": signal_to_noise(out_q, out)}
     errors[role] = out_q - out
   return stats, errors
 
 
 # ---------------------------------------------------------------- the model
 
-def capture(model, layers, params, tokens_BxL1, key=None):
+def capture(model, layers, params, tokens_BxL1, key=None, layer_key=None):
   """Runs `model` (built with capture_dots=True) on one batch and returns the
-  operands of the named layers: {layer: (lhs, rhs, dy)}.
+  operands of the named layers: {layer: (lhs, rhs, dy, layer's key or None)}.
 
   tokens_BxL1: int32 [B, L + 1] (inputs and next-token targets); dy is the
   gradient of the mean next-token cross-entropy w.r.t. the layer's output.
   `layers` are module paths such as "block_0/attn/q"; `key` feeds the "quant"
-  rng stream of random recipes.
+  rng stream of random recipes, `layer_key` (the run's, as in training) the
+  "hadamard" stream of per-layer signs; each such layer sows the key it
+  passed to dot_general, which is returned with its operands.
   """
   inputs, targets = tokens_BxL1[:, :-1], tokens_BxL1[:, 1:]
   rngs = {"quant": key} if model.recipe.is_random else {}
+  if model.recipe.needs_layer_key:
+    rngs["hadamard"] = layer_key
   _, zeros = model.apply({"params": params}, inputs, rngs=rngs, mutable=["perturbations"])
 
   def loss(perturbations):
@@ -206,7 +233,9 @@ def capture(model, layers, params, tokens_BxL1, key=None):
     module = path.rsplit("/", 1)[0]
     match = [name for name in layers if module == name or module.startswith(name + "/")]
     if match:
-      found[match[0]] = (sown[f"{module}/lhs"][0], sown[f"{module}/rhs"][0], dy)
+      own_key = sown.get(f"{module}/layer_key")
+      found[match[0]] = (sown[f"{module}/lhs"][0], sown[f"{module}/rhs"][0], dy,
+                         None if own_key is None else own_key[0])
   missing = [name for name in layers if name not in found]
   if missing:
     known = sorted({p.rsplit("/", 2)[0] for p in outs})
@@ -228,6 +257,7 @@ class _Callback:
   every: int
   window: int
   seed: int
+  layer_key: object = None
   windows: dict = dataclasses.field(default_factory=dict)
 
   def __call__(self, step, state, batch):
@@ -241,19 +271,23 @@ class _Callback:
         continue
       tokens = jnp.asarray(np.asarray(tokens).reshape(-1, np.shape(tokens)[-1]), jnp.int32)
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), s)
-      ops = self.capture_fn(state.params, tokens, jax.random.fold_in(key, 0))
-      for li, (layer, (lhs, rhs, dy)) in enumerate(ops.items()):
-        stats, errors = jax.device_get(
-            self.stats_fn(*as_matrices(lhs, rhs, dy), jax.random.fold_in(key, li + 1)))
-        for role in (ROLES if source == "ref" else ("wgrad",)):
+      ops = self.capture_fn(state.params, tokens, jax.random.fold_in(key, 0), self.layer_key)
+      for li, (layer, (lhs, rhs, dy, own_key)) in enumerate(ops.items()):
+        stats, errors = jax.device_get(self.stats_fn(
+            *as_matrices(lhs, rhs, dy), jax.random.fold_in(key, li + 1), own_key))
+        for role in ROLES:
           prefix = f"diag/{source}/{layer}/{role}"
+          if source == "train" and role != "wgrad":
+            row[f"{prefix}/snr"] = float(stats[role]["snr"])
+            continue
           row.update({f"{prefix}/{k}": float(v) for k, v in stats[role].items()})
           win = self.windows.setdefault(prefix, ErrorWindow(self.window))
           row.update({f"{prefix}/{k}": v for k, v in win.add(step, errors[role]).items()})
     return row
 
 
-def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, seed=0):
+def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, seed=0,
+                  layer_key=None):
   """A trainer callback `cb(step, state, batch) -> dict | None` for fp4jax.trainer.
 
   model: the fp4jax.model.Llama being trained (rebuilt here with
@@ -263,6 +297,9 @@ def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, see
     step % every < window, so each window holds `window` consecutive steps;
     bias is reported on its last step, step_cos on all but its first.
   seed: keys for random recipes (fold_in(seed, step)).
+  layer_key: the run's "hadamard" key (fp4jax.train_step.layer_key), needed
+    by recipes with per-layer signs: the diagnostics then see the signs that
+    training uses.
   The per-(source, layer, role) error windows are Python state of the callback.
   """
   recipe = model.recipe
@@ -279,4 +316,7 @@ def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, see
   cap_model = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
   capture_fn = jax.jit(functools.partial(capture, cap_model, layers))
   stats_fn = jax.jit(functools.partial(gemm_stats, recipe))
-  return _Callback(capture_fn, stats_fn, ref_batch, every, window, seed)
+  if recipe.needs_layer_key and layer_key is None:
+    raise ValueError(f"recipe {recipe.name!r} uses per-layer Hadamard signs: diagnostics "
+                     "need the run's layer_key (fp4jax.train_step.layer_key)")
+  return _Callback(capture_fn, stats_fn, ref_batch, every, window, seed, layer_key)

@@ -72,7 +72,7 @@ def _start(config):
     batches = data.train_iterator(
         config.data, tokenizer, seq_len=config.seq_len,
         global_batch=config.batch_size, seed=config.seed, **procs)
-    val_local = data.validation_batches(
+    val_local = data.validation_windows(
         config.data, tokenizer, seq_len=config.seq_len,
         batch_size=eval_batch,
         num_batches=config.eval_batches, **procs)
@@ -202,8 +202,20 @@ def _restore_data_state(batches, saved):
 
 
 def _evaluate(eval_fn, params, val_batches):
-  losses = [eval_fn(params, b, i) for i, b in enumerate(val_batches)]
-  return float(np.mean(jax.device_get(losses)))
+  """{eval_loss: mean over the batches, eval_loss_se: its standard error,
+  eval_batch_losses: the batch means}.
+
+  The batches are equal-sized and each spans the whole validation stream
+  (data.validation_windows), so the standard error is std(batch means) /
+  sqrt(batches) (None with one batch). Every run evaluates the same batches,
+  so two runs' batch means give the standard error of their difference.
+  """
+  losses = np.asarray(jax.device_get(
+      [eval_fn(params, b, i) for i, b in enumerate(val_batches)]), np.float64)
+  se = (float(losses.std(ddof=1) / math.sqrt(losses.size))
+        if losses.size > 1 else None)
+  return dict(eval_loss=float(losses.mean()), eval_loss_se=se,
+              eval_batch_losses=[round(float(x), 6) for x in losses])
 
 
 def train(config, workdir, callbacks=()):
@@ -266,8 +278,9 @@ def train(config, workdir, callbacks=()):
   step = start
   with sharding.use_mesh(mesh), _StopSignals() as signals:
     if start == 0:
-      eval_loss = _evaluate(programs.eval, state.params, val_batches)
-      log.write(dict(step=0, tokens=0, eval_loss=eval_loss,
+      evaluation = _evaluate(programs.eval, state.params, val_batches)
+      eval_loss = evaluation["eval_loss"]
+      log.write(dict(step=0, tokens=0, **evaluation,
                      eval_perplexity=math.exp(min(eval_loss, 700))))
     while step < config.steps:
       if signals.received:
@@ -298,8 +311,9 @@ def train(config, workdir, callbacks=()):
       row.update(extra)
       evaluated = step % config.eval_every == 0 or step == config.steps
       if evaluated:
-        eval_loss = _evaluate(programs.eval, state.params, val_batches)
-        row.update(eval_loss=eval_loss,
+        evaluation = _evaluate(programs.eval, state.params, val_batches)
+        eval_loss = evaluation["eval_loss"]
+        row.update(**evaluation,
                    eval_perplexity=math.exp(min(eval_loss, 700)))
       bad_in_row = int(metrics["bad_in_row"])
       if bad_in_row >= config.max_bad_steps:
@@ -324,7 +338,7 @@ def train(config, workdir, callbacks=()):
       if step % config.checkpoint_every == 0 and bad_in_row == 0:
         ckpts.save(step, state, _data_states(batches))
     if eval_loss is None and status != "diverged":  # resumed a finished run
-      eval_loss = _evaluate(programs.eval, state.params, val_batches)
+      eval_loss = _evaluate(programs.eval, state.params, val_batches)["eval_loss"]
     if status != "diverged" and step > 0:
       ckpts.save(step, state, _data_states(batches))
     ckpts.wait()

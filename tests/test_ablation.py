@@ -25,11 +25,14 @@ def _tiny_ablation_config():
   config.seq_len = 32
   config.warmup_steps = 1
   config.eval_every = 2
-  config.eval_batches = 1
+  config.eval_batches = 2
   config.eval_batch_size = 8
   config.checkpoint_every = 100
   config.async_checkpointing = False
   config.ablation.recipes = "bf16,fp8"
+  config.ablation.seeds = 2
+  config.ablation.recipe_seeds = "bf16:1"
+  config.ablation.compilation_cache = ""  # process-wide JAX state: not from a test
   config.diagnostics.layers = "block_0/mlp/down"
   config.diagnostics.every = 3
   config.diagnostics.window = 2
@@ -40,28 +43,53 @@ def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   config = _tiny_ablation_config()
   rows = ablation.run_ablation(config, str(tmp_path))
   assert [r.recipe for r in rows] == ["bf16", "fp8"]
-  for name in ("table.md", "curves.png", "diagnostics.png", "bf16/diagnostics.png",
-               "fp8/diagnostics.png", "fp8/wall.json", "ablation_config.json"):
+  assert [r.n for r in rows] == [1, 2]  # recipe_seeds: bf16 runs the first seed only
+  assert not (tmp_path / "bf16_seed1").exists()
+  for name in ("table.md", "curves.png", "diagnostics.png", "snr.png",
+               "bf16_seed0/diagnostics.png", "fp8_seed0/diagnostics.png",
+               "fp8_seed1/wall.json", "ablation_config.json"):
     assert (tmp_path / name).is_file(), name
   # The target is fp8's own loss at 75% of its tokens, so fp8 has zero overhead.
-  assert rows[1].reached == 1 and rows[1].overhead == (0.0, 0.0)
+  assert rows[1].reached == 2 and rows[1].overhead == (0.0, 0.0)
   table = (tmp_path / "table.md").read_text()
   assert "| bf16 |" in table and "| fp8 |" in table and "baseline" in table
-  metrics = [json.loads(l) for l in (tmp_path / "fp8" / "metrics.jsonl").read_text().split("\n")
-             if l]
+  assert "| bf16 | 1 | " in table  # one pair against fp8 in the paired estimates
+  assert "Verdicts at this scale" in table and "- **not run**: Wgrad" in table
+  assert "| fp8 | wgrad | block_0/mlp/down |" in table  # the SNR section
+  metrics = [json.loads(l) for l in
+             (tmp_path / "fp8_seed0" / "metrics.jsonl").read_text().split("\n") if l]
+  evals = [r for r in metrics if "eval_loss" in r]
+  assert all(len(r["eval_batch_losses"]) == 2 and r["eval_loss_se"] > 0 for r in evals)
+  assert evals[-1]["eval_loss"] == pytest.approx(np.mean(evals[-1]["eval_batch_losses"]))
   diag = {k for row in metrics for k in row if k.startswith("diag/")}
   assert "diag/train/block_0/mlp/down/fprop/out_err" not in diag  # wgrad only on train
   measured = lambda key: {r["step"] for r in metrics if key in r}
   assert measured("diag/ref/block_0/mlp/down/fprop/out_err") == {1, 3, 4}  # step % 3 < 2
   assert measured("diag/train/block_0/mlp/down/wgrad/bias") == {4}
   assert measured("diag/ref/block_0/mlp/down/dgrad/step_cos") == {4}
-  assert json.loads((tmp_path / "fp8" / "config.json").read_text())["seed"] == config.seed
+  assert measured("diag/train/block_0/mlp/down/dgrad/snr") == {1, 3, 4}
+  assert json.loads((tmp_path / "fp8_seed1" / "config.json").read_text())["seed"] == (
+      config.seed + 1)
 
   capsys.readouterr()
-  before = (tmp_path / "fp8" / "metrics.jsonl").read_text()
+  before = (tmp_path / "fp8_seed1" / "metrics.jsonl").read_text()
   ablation.run_ablation(config, str(tmp_path))
-  assert "already completed, skipped" in capsys.readouterr().out
-  assert (tmp_path / "fp8" / "metrics.jsonl").read_text() == before
+  assert capsys.readouterr().out.count("already completed, skipped") == 3
+  assert (tmp_path / "fp8_seed1" / "metrics.jsonl").read_text() == before
+
+
+def test_recipe_seeds():
+  config = _tiny_ablation_config()
+  config.ablation.recipes, config.ablation.seeds = "bf16,fp8,mxfp4", 5
+  config.ablation.recipe_seeds = " bf16:2, mxfp4:9"
+  names = ablation.recipe_list(config)
+  assert ablation.seed_counts(config, names) == {"bf16": 2, "fp8": 5, "mxfp4": 5}
+  config.ablation.recipe_seeds = "bf16:2,mxfp8:1"  # mxfp8 is not in this ablation
+  assert ablation.seed_counts(config, names)["bf16"] == 2
+  for bad in ("bf16", "mxfp5:2", "bf16:x", "bf16:0"):
+    config.ablation.recipe_seeds = bad
+    with pytest.raises(ValueError, match="recipe_seeds|>= 1 seed|unknown recipe"):
+      ablation.seed_counts(config, names)
 
 
 def test_bad_recipe_or_missing_baseline_fails_at_start():

@@ -248,3 +248,52 @@ def test_tfds_source_reads_tfds_data_source(monkeypatch):
   train = data.train_iterator(cfg, TOK, seq_len=15, global_batch=2, seed=0)
   assert "train doc" in TOK.decode(next(train)[0])
   assert calls == [("c4/en:3.0.1", "validation"), ("c4/en:3.0.1", "train")]
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_validation_windows_are_spread_through_the_held_out_stream(tmp_path, kind):
+  if kind == "txt":
+    texts = _write_txt(tmp_path, 9)
+    pattern = str(tmp_path / "*.txt")
+  else:
+    texts = [f"doc {i} " + "ab" * i for i in range(9)]
+    _write_jsonl(tmp_path / "v.jsonl", texts)
+    pattern = str(tmp_path / "v.jsonl")
+  stream = []
+  for text in texts:  # read once, in order: no wrap-around to the first document
+    stream += [BOS] + list(TOK.encode(text)) + [EOS]
+  cfg = _cfg(source="files", path=pattern, val_path=pattern)
+  got = data.validation_windows(cfg, TOK, seq_len=7, batch_size=3, num_batches=2)
+  assert [b.shape for b in got] == [(3, 8), (3, 8)]
+  # 6 windows with evenly spaced starts from 0 to len - 8; window j is row
+  # j // 2 of batch j % 2.
+  starts = [round(j * (len(stream) - 8) / 5) for j in range(6)]
+  for j, start in enumerate(starts):
+    np.testing.assert_array_equal(got[j % 2][j // 2], stream[start:start + 8])
+  assert starts[-1] + 8 == len(stream)  # the last window ends with the last document
+  # Shards of two processes stack to the one-process batches.
+  halves = [data.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2,
+                                    process_index=p, process_count=2) for p in (0, 1)]
+  whole = data.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2)
+  for i in range(2):
+    np.testing.assert_array_equal(np.concatenate([halves[0][i], halves[1][i]]), whole[i])
+  # data.val_tokens caps the stream the windows are spread over.
+  cfg.val_tokens = 20
+  capped = data.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=2)
+  np.testing.assert_array_equal(capped[1][0], stream[12:20])
+  cfg.val_tokens = 5
+  with pytest.raises(ValueError, match="fewer than one window"):
+    data.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=1)
+
+
+def test_stdlib_validation_windows_do_not_start_at_file_openings():
+  cfg = _cfg()
+  got = np.stack(data.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
+                                         num_batches=4))
+  again = np.stack(data.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
+                                           num_batches=4))
+  np.testing.assert_array_equal(got, again)
+  first = np.stack(data.validation_batches(cfg, TOK, seq_len=63, batch_size=8,
+                                           num_batches=4))
+  assert (first[0, :, 0] == BOS).all()  # the old set: every row opens a file
+  assert (got[:, :, 0] == BOS).mean() < 0.1

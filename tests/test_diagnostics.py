@@ -12,9 +12,11 @@ import flax.linen as nn
 import pytest
 
 from fp4jax import diagnostics as D
+from fp4jax import dot as fp4jax_dot
 from fp4jax import formats
 from fp4jax import model as model_lib
 from fp4jax import recipes
+from tests import numpy_reference as ref
 
 
 def test_relative_error_and_cosine():
@@ -23,6 +25,43 @@ def test_relative_error_and_cosine():
   assert D.cosine(e, 2 * e) == pytest.approx(1.0)
   assert D.cosine(e, jnp.array([-4.0, 3.0])) == pytest.approx(0.0, abs=1e-7)
   assert np.isnan(D.cosine(e, jnp.zeros(2)))
+
+
+def test_signal_to_noise_on_hand_built_errors():
+  exact = jnp.array([3.0, 4.0])  # norm 5
+  assert D.signal_to_noise(exact + jnp.array([0.6, 0.8]), exact) == pytest.approx(5.0)
+  assert D.signal_to_noise(exact + jnp.array([-3.0, 0.0]), exact) == pytest.approx(5 / 3)
+  assert D.signal_to_noise(exact, exact) == np.inf
+  assert np.isnan(D.signal_to_noise(jnp.zeros(2), jnp.zeros(2)))
+
+
+@pytest.mark.parametrize("name", ["mxfp4-floor", "mxfp4", "mxfp4-dh16"])
+def test_fprop_snr_matches_a_numpy_reference(name):
+  """||X W|| / ||q(X) q(W) - X W|| with q from the independent NumPy
+  quantizer (MXFP4 blocks of 32 along K; H16 applied by hand)."""
+  x, w, dy = _operands()
+  recipe = recipes.recipe(name)
+  spec = recipe.fprop.lhs
+  xr, wr = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  if recipe.fprop.hadamard is not None:
+    h = np.kron(np.eye(x.shape[1] // 16), _sylvester(16) / 4)
+    xr, wr = xr @ h, h.T @ wr
+  xq = ref.quantize(xr.astype(np.float32), "mxfp4", scale_mode=spec.scale_mode, axis=1)["y"]
+  wq = ref.quantize(wr.astype(np.float32), "mxfp4", scale_mode=spec.scale_mode, axis=0)["y"]
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  want = np.linalg.norm(exact) / np.linalg.norm(xq.astype(np.float64) @ wq - exact)
+  stats, _ = _stats(name, x, w, dy)
+  assert float(stats["fprop"]["snr"]) == pytest.approx(want, rel=1e-3)
+  assert float(stats["fprop"]["snr"]) == pytest.approx(1 / float(stats["fprop"]["out_err"]),
+                                                       rel=1e-5)
+  assert 2 < want < 100
+
+
+def _sylvester(n):
+  h = np.ones((1, 1))
+  while h.shape[0] < n:
+    h = np.block([[h, h], [h, -h]])
+  return h
 
 
 def test_fixed_error_has_bias_one():
@@ -142,7 +181,8 @@ def test_capture_gives_the_layer_gradient():
   params = model.init(jax.random.key(1), tokens[:, :-1])["params"]
   cap = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
   ops = jax.jit(functools.partial(D.capture, cap, ("block_0/mlp/down",)))(params, tokens)
-  x, w, dy = D.as_matrices(*ops["block_0/mlp/down"])
+  assert ops["block_0/mlp/down"][3] is None  # no per-layer signs: no layer key
+  x, w, dy = D.as_matrices(*ops["block_0/mlp/down"][:3])
 
   def loss(p):
     logits = model.apply({"params": p}, tokens[:, :-1])
@@ -172,6 +212,11 @@ def test_callback_on_fixed_weights():
   assert rows[3] is None
   assert "diag/train/block_0/attn/q/wgrad/out_err" in rows[0]
   assert "diag/train/block_0/attn/q/fprop/out_err" not in rows[0]
+  # The SNR of every role on the training batch (here the reference batch
+  # too: the deterministic fprop gives the same number on both).
+  assert rows[0]["diag/train/block_0/attn/q/fprop/snr"] == pytest.approx(
+      1 / rows[0]["diag/ref/block_0/attn/q/fprop/out_err"], rel=1e-5)
+  assert all(1 < rows[0][f"diag/train/block_0/attn/q/{r}/snr"] < 1e3 for r in D.ROLES)
   ref = "diag/ref/block_0/attn/q"
   assert f"{ref}/fprop/bias" not in rows[1] and f"{ref}/fprop/step_cos" in rows[1]
   assert f"{ref}/fprop/step_cos" not in rows[4]  # step 3 was not measured
@@ -182,3 +227,33 @@ def test_callback_on_fixed_weights():
       assert bias == pytest.approx(1.0, abs=1e-6) and cos == pytest.approx(1.0, abs=1e-6)
     else:
       assert bias < 0.95 and cos < 0.9
+
+
+def test_per_layer_signs_reach_the_diagnostics():
+  """mxfp4-lh16: each layer sows its own key; the callback measures with it
+  (needs the run's layer key), and the fprop error it reports is the one of
+  the GEMM the model ran (same signs)."""
+  model = _tiny_model("mxfp4-lh16")
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (4, 33), 0, 64))
+  run_key = jax.random.key(7)
+  params = model.init({"params": jax.random.key(1), "hadamard": run_key},
+                      tokens[:, :-1])["params"]
+  cap = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
+  layers = ("block_0/attn/q", "block_0/mlp/down")
+  ops = jax.jit(functools.partial(D.capture, cap, layers))(params, tokens, None, run_key)
+  keys = [jax.random.key_data(ops[name][3]) for name in layers]
+  assert not np.array_equal(keys[0], keys[1])
+  x, w, dy = D.as_matrices(*ops["block_0/attn/q"][:3])
+  recipe = model.recipe
+  stats, errors = jax.jit(functools.partial(D.gemm_stats, recipe))(x, w, dy, None,
+                                                                   ops["block_0/attn/q"][3])
+  y_model = fp4jax_dot.dot_general(recipe)(x, w, (((1,), (0,)), ((), ())),
+                                           preferred_element_type=jnp.float32,
+                                           layer_key=ops["block_0/attn/q"][3])
+  np.testing.assert_allclose(errors["fprop"] + x @ w, y_model, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="layer_key"):
+    D.make_callback(model, tokens, layers=["block_0/attn/q"], every=4, window=2)
+  cb = D.make_callback(model, tokens, layers=["block_0/attn/q"], every=4, window=2,
+                       layer_key=run_key)
+  row = cb(1, types.SimpleNamespace(params=params), tokens)
+  assert 1 < row["diag/train/block_0/attn/q/wgrad/snr"] < 1e3

@@ -13,6 +13,14 @@ one resumes from its checkpoint, so the command can simply be run again.
 Config: a trainer config (fp4jax.train_config.base_config) plus
   ablation.recipes       comma-separated preset names (DEFAULT_RECIPES)
   ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
+  ablation.recipe_seeds  fewer seeds for some recipes, e.g. "bf16:2,mxfp4-dh32:2"
+                         (each recipe runs the first N of the seeds)
+  ablation.margin        nats: the smallest effect a verdict calls meaningful
+                         (fp4jax.experiments.stats.contrast_verdict)
+  ablation.late_from     the token multiplier uses evaluations after this
+                         fraction of the tokens
+  ablation.compilation_cache  JAX's persistent compilation cache directory,
+                         shared by all runs and reruns ("" = off)
   ablation.baseline      recipe whose final validation loss is the target ("fp8")
   ablation.target_at     the target is the baseline's validation loss at this
                          fraction of its tokens (1.0: its final loss)
@@ -23,6 +31,8 @@ Config: a trainer config (fp4jax.train_config.base_config) plus
   diagnostics.enabled, .layers (comma-separated module paths; "" = first block's
   q and last block's down), .every, .window, .ref_batch_size (0 = batch_size).
 The runs ignore config.target_eval_loss (every run uses its whole budget).
+Runs go seed by seed (every recipe of seed 0, then of seed 1, ...), so an
+interrupted ablation still holds complete pairs.
 """
 
 import copy
@@ -33,6 +43,7 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
+import jax
 import ml_collections
 from ml_collections import config_dict
 from ml_collections import config_flags
@@ -42,20 +53,23 @@ from fp4jax import diagnostics
 from fp4jax import model as model_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax import train_config
+from fp4jax import train_step
 from fp4jax import trainer
 from fp4jax.experiments import report
 
 DEFAULT_RECIPES = ("bf16", "fp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4", "mxfp4-sr",
-                   "mxfp4-rh16", "mxfp4-dh16", "mxfp4-dh32")
+                   "mxfp4-rh16", "mxfp4-dh16", "mxfp4-floor", "mxfp4-dh16-floor",
+                   "mxfp4-wdh16", "mxfp4-lh16", "mxfp4-dh32")
 _OWN_KEYS = ("ablation", "diagnostics")
 
 
 def ablation_config() -> ml_collections.ConfigDict:
   """Defaults of the `ablation` block (see the module docstring)."""
   return ml_collections.ConfigDict(dict(
-      recipes=",".join(DEFAULT_RECIPES), seeds=1, baseline="fp8",
+      recipes=",".join(DEFAULT_RECIPES), seeds=1, recipe_seeds="", baseline="fp8",
       target_loss=config_dict.placeholder(float), target_at=1.0,
-      diverge_loss=config_dict.placeholder(float), zoom=0.5))
+      diverge_loss=config_dict.placeholder(float), zoom=0.5, margin=0.01, late_from=0.5,
+      compilation_cache="~/.cache/fp4jax/jax"))
 
 
 def diagnostics_config() -> ml_collections.ConfigDict:
@@ -75,6 +89,26 @@ def recipe_list(config) -> list[str]:
     raise ValueError(f"the baseline {config.ablation.baseline!r} is not among the recipes "
                      f"{names}; add it or set config.ablation.target_loss")
   return names
+
+
+def seed_counts(config, names) -> dict:
+  """{recipe: number of seeds}: config.ablation.seeds, or its recipe_seeds entry.
+
+  Entries for presets not among `names` are ignored (the recipe list was
+  narrowed); unknown preset names raise ValueError.
+  """
+  counts = {name: config.ablation.seeds for name in names}
+  for item in filter(None, (i.strip() for i in config.ablation.recipe_seeds.split(","))):
+    name, sep, count = (x.strip() for x in item.partition(":"))
+    if not sep or not count.isdigit():
+      raise ValueError(f"config.ablation.recipe_seeds entry {item!r} must be RECIPE:N with "
+                       "N a positive integer, e.g. 'bf16:2'")
+    recipes_lib.recipe(name)
+    if name in counts:
+      counts[name] = min(int(count), config.ablation.seeds)
+  if min(counts.values()) < 1:
+    raise ValueError(f"every recipe needs >= 1 seed, got {counts}")
+  return counts
 
 
 def run_config(config, recipe, seed) -> ml_collections.ConfigDict:
@@ -97,13 +131,14 @@ def diagnostics_callback(config, cfg):
     return None
   tokenizer = data.make_tokenizer(cfg.data.tokenizer)
   model_cfg, recipe = train_config.resolve(cfg, tokenizer)
-  ref_batch = data.validation_batches(
+  ref_batch = data.validation_windows(
       cfg.data, tokenizer, seq_len=cfg.seq_len,
       batch_size=diag.ref_batch_size or cfg.batch_size, num_batches=1)[0]
   layers = [n.strip() for n in diag.layers.split(",") if n.strip()] or None
   return diagnostics.make_callback(
       model_lib.Llama(model_cfg, recipe), ref_batch, layers=layers,
-      every=diag.every, window=diag.window, seed=cfg.seed)
+      every=diag.every, window=diag.window, seed=cfg.seed,
+      layer_key=train_step.layer_key(jax.random.key(cfg.seed)))
 
 
 def _status(path):
@@ -117,6 +152,7 @@ def _status(path):
 def _add_wall(path, seconds):
   """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)."""
   file = os.path.join(path, "wall.json")
+  os.makedirs(path, exist_ok=True)  # a run that failed at start made none
   total = 0.0
   if os.path.exists(file):
     with open(file) as f:
@@ -130,12 +166,19 @@ def run_ablation(config, workdir) -> list:
   names = recipe_list(config)
   if config.ablation.seeds < 1:
     raise ValueError(f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
+  counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "ablation_config.json"), "w") as f:
     f.write(config.to_json(indent=2))
-  for seed in seeds:
+  if config.ablation.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.expanduser(config.ablation.compilation_cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  for i, seed in enumerate(seeds):
     for name in names:
+      if i >= counts[name]:
+        continue
       path = report.run_dir(workdir, name, seed, len(seeds))
       status = _status(path)
       if status not in (None, "interrupted"):
@@ -160,6 +203,7 @@ def _report(config, workdir, names):
   rows = report.write_report(
       workdir, names, baseline=ab.baseline, target=ab.target_loss,
       diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
+      margin=ab.margin, late_from=ab.late_from,
       window=config.diagnostics.window if config.diagnostics.enabled else None)
   with open(os.path.join(workdir, "table.md")) as f:
     print(f.read(), flush=True)

@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from fp4jax.experiments import plots
+from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
 from fp4jax.metrics_log import read_metrics
 
@@ -28,6 +29,7 @@ PAPER = {
     "mxfp4-fprop-dgrad": "10-11%", "mxfp4": "26-27%", "mxfp4-sr": "diverges",
     "mxfp4-rh16": "diverges", "mxfp4-dh16": "8-9%", "mxfp4-dh32": "8-9%",
 }
+SNR_ROLES = ("wgrad", "dgrad")
 _SEED_DIR = re.compile(r"(.+)_seed(\d+)$")
 
 
@@ -203,11 +205,12 @@ def _fmt(ms, fmt, scale=1.0, unit=""):
   return out + (f" ± {abs(spread) * scale:{fmt.lstrip('+')}}{unit}" if spread else "")
 
 
-def write_table(path, rows, targets, diverge_loss, note, diag=None):
+def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=()):
   """Writes table.md: one line per recipe, the paper's overhead beside ours.
 
   targets: {seed: target loss}; note: how the target was chosen
   (target_note). diag: optional {recipe: {column: value}}, a second table.
+  sections: further markdown lines, appended (paired estimates, SNR, verdicts).
   """
   seeds = max((r.n for r in rows), default=1)
   values = ", ".join(f"{t:.4f}" + ("" if s is None else f" (seed {s})")
@@ -241,6 +244,7 @@ def write_table(path, rows, targets, diverge_loss, note, diag=None):
     for recipe, values in diag.items():
       lines.append(f"| {recipe} | " + " | ".join(
           "-" if values[c] is None else f"{values[c]:.3f}" for c in cols) + " |")
+  lines += list(sections)
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
 
@@ -272,16 +276,132 @@ def diag_summary(runs):
   return out
 
 
+def _final_eval(run):
+  """The last evaluation row of a run (None before its first)."""
+  evals = [r for r in run.rows if r.get("eval_loss") is not None]
+  return evals[-1] if evals else None
+
+
+def _paired_eval_se(run, base):
+  """Standard error of the final eval-loss difference from the shared validation batches."""
+  a, b = _final_eval(run), _final_eval(base)
+  if not a or not b or "eval_batch_losses" not in a or "eval_batch_losses" not in b:
+    return None
+  diff = np.subtract(a["eval_batch_losses"], b["eval_batch_losses"])
+  return float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
+
+
+def estimates_section(runs, baseline="fp8", late_from=0.5):
+  """Markdown: per recipe, the paired final-loss difference and token multiplier vs the baseline."""
+  base = {r.seed: r for r in runs.get(baseline, [])}
+  ses = [_final_eval(r).get("eval_loss_se") for rs in runs.values() for r in rs if _final_eval(r)]
+  ses = [x for x in ses if x is not None]
+  lines = ["", f"Paired estimates against `{baseline}` (same seed: same data order and "
+           "initialisation); mean [95% Student t-interval over seeds]. Token multiplier: "
+           f"recipe tokens / `{baseline}` tokens for the same validation loss, over the "
+           f"recipe's evaluations in the last {1 - late_from:.0%} of training against "
+           f"`{baseline}`'s monotone-smoothed curve (geometric mean per seed); "
+           "'extrapolated' counts evaluations below the baseline's last loss, read off its "
+           "log-linear trend. Eval SE: standard error of the final evaluation over its "
+           "batches"
+           + (f" (absolute, mean over runs: {np.mean(ses):.4f} nats)" if ses else "")
+           + "; paired: of the difference to the same seed's baseline on the same windows.",
+           "", "| recipe | pairs | Δ final val loss (nats) | token multiplier "
+           "| extrapolated evals | paired eval SE |", "|---|---|---|---|---|---|"]
+  for recipe, rs in runs.items():
+    if recipe == baseline:
+      continue
+    pairs = [(r, base[r.seed]) for r in rs if r.seed in base and r.loss_T.size
+             and base[r.seed].loss_T.size]
+    deltas = stats.t_interval([r.final_loss - b.final_loss for r, b in pairs])
+    mults = [stats.token_multiplier(r.tokens_T, r.loss_T, b.tokens_T, b.loss_T, late_from)
+             for r, b in pairs]
+    mult = stats.multiplier_interval(mults)
+    mult_text = ("-" if not math.isfinite(mult.mean) else f"{mult.mean:.3f}" if mult.n < 2
+                 else f"{mult.mean:.3f} [{mult.lo:.3f}, {mult.hi:.3f}]")
+    extra = f"{sum(m.extrapolated for m in mults)}/{sum(m.points for m in mults)}"
+    paired = [x for x in (_paired_eval_se(r, b) for r, b in pairs) if x is not None]
+    lines.append(f"| {recipe} | {len(pairs)} | {deltas} | {mult_text} | {extra} | "
+                 + (f"{np.mean(paired):.4f}" if paired else "-") + " |")
+  return lines
+
+
+def snr_series(runs, roles=SNR_ROLES):
+  """{recipe: {(layer, role): (steps, snr)}}: training-batch SNR, geometric mean over seeds."""
+  out = {}
+  for recipe, rs in runs.items():
+    per = {}
+    for run in rs:
+      for key, (steps, values) in plots.diag_series(run.rows).items():
+        source, layer, role, stat = plots.parse_key(key)
+        if source == "train" and stat == "snr" and role in roles:
+          per.setdefault((layer, role), []).append(dict(zip(steps.tolist(), values.tolist())))
+    series = {}
+    for name, dicts in per.items():
+      common = sorted(set.intersection(*(set(d) for d in dicts)))
+      if common:
+        series[name] = (np.array(common, np.float64), np.exp(
+            [np.mean([math.log(d[s]) for d in dicts]) for s in common]))
+    if series:
+      out[recipe] = series
+  return out
+
+
+def _crossing_text(c):
+  if c.step is None:
+    return "none: the trend does not fall"
+  if c.extrapolated:
+    return f"~{c.step:,.0f} (EXTRAPOLATED, log-linear trend)"
+  return f"{c.step:,.0f} (measured)"
+
+
+def snr_section(series):
+  """Markdown: per recipe, role and layer, the SNR at the start and end and its sqrt(3) crossing."""
+  if not series:
+    return []
+  lines = ["", "Gradient signal-to-noise on the training batch, ||exact|| / ||quantization "
+           "error|| of the GEMM output (geometric mean over seeds); the step at which it "
+           "reaches sqrt(3) = 1.732, the threshold of Chmiel et al. (\"FP4 All the Way\"), "
+           "measured or extrapolated from ln(SNR) linear in step over the second half of the "
+           "run:", "", "| recipe | role | layer | first SNR | last SNR | reaches sqrt(3) at step |",
+           "|---|---|---|---|---|---|"]
+  for recipe, by in series.items():
+    for (layer, role), (steps, snr) in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+      if not np.all(np.isfinite(snr)):
+        continue
+      c = stats.threshold_crossing(steps, snr)
+      lines.append(f"| {recipe} | {role} | {layer} | {snr[0]:.2f} | {snr[-1]:.2f} | "
+                   f"{_crossing_text(c)} |")
+  return lines
+
+
+def verdict_section(runs, margin=0.01):
+  """Markdown: one line per claim of the paper, decided by its paired interval."""
+  final = {recipe: {r.seed: r.final_loss for r in rs} for recipe, rs in runs.items()}
+  return ["", f"Verdicts at this scale (contrasts of per-seed final validation losses, 95% "
+          f"t-intervals over seeds; '> 0' claims are supported when the interval lies above "
+          f"0 and contradicted when it lies below {margin} nats, '!= 0' claims supported when "
+          f"it excludes 0 and contradicted when it lies inside ±{margin} nats):", ""] + \
+      stats.verdict_lines(final, margin)
+
+
 def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_loss=None,
-                 zoom=0.5, window=None, target_at=1.0):
-  """Writes table.md, curves.png, diagnostics.png and <run>/diagnostics.png; returns rows."""
+                 zoom=0.5, window=None, target_at=1.0, margin=0.01, late_from=0.5):
+  """Writes table.md, curves.png, diagnostics.png, snr.png and <run>/diagnostics.png; returns rows."""
   runs = load_runs(workdir, recipes)
   if not runs:
     raise ValueError(f"no runs with metrics.jsonl under {workdir!r}")
   note = target_note(baseline, target is not None, target_at)
   rows, targets, diverge_loss = summarize(runs, baseline, target, diverge_loss, target_at)
   diag = diag_summary(runs)
-  write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag)
+  series = snr_series(runs)
+  sections = (estimates_section(runs, baseline, late_from) if baseline in runs else [])
+  sections += snr_section(series) + verdict_section(runs, margin)
+  write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
+              sections)
+  plots.plot_snr(os.path.join(workdir, "snr.png"), series, stats.SNR_THRESHOLD,
+                 {r: {k: stats.threshold_crossing(*v) for k, v in by.items()}
+                  for r, by in series.items()})
   plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
                     float(np.mean(list(targets.values()))), baseline)
   plots.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
@@ -306,6 +426,7 @@ def main(argv):
       baseline=opts.get("baseline", ab.get("baseline", "fp8")),
       target=None if target is None else float(target),
       diverge_loss=ab.get("diverge_loss"), zoom=ab.get("zoom", 0.5),
+      margin=ab.get("margin", 0.01), late_from=ab.get("late_from", 0.5),
       window=diag.get("window") if diag.get("enabled") else None,
       target_at=float(opts.get("target_at", ab.get("target_at", 1.0))))
   with open(os.path.join(workdir, "table.md")) as f:
