@@ -1,0 +1,372 @@
+"""Hugging Face export and import: config, layouts, sharded loading, errors.
+
+One tiny run (2 layers, Llama 3 RoPE scaling that matters within 32
+positions) is trained once and exported; the logits of the export are
+checked against fp4jax with an independent NumPy forward that reads only the
+safetensors file and config.json, and with transformers when installed.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from safetensors import safe_open
+
+import fp4jax
+from fp4jax import checkpointing
+from fp4jax import convert
+from fp4jax import model as model_lib
+from fp4jax import sharding
+from fp4jax import trainer
+from tests.test_model import _numpy_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 2
+
+
+def _config(**overrides):
+  c = trainer.base_config()
+  c.model.n_layers = 2
+  c.model.rope_theta = 10000.0
+  c.model.rope_original_context = 64  # scaling changes most frequencies
+  c.steps, c.batch_size, c.seq_len = STEPS, 8, 32
+  c.eval_every, c.eval_batches, c.checkpoint_every = STEPS, 1, STEPS
+  c.async_checkpointing = False
+  c.mesh.data, c.mesh.fsdp = 1, 8  # the 8 virtual devices, FSDP
+  c.update(overrides)
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """(run dir, its LlamaConfig, its final params as NumPy, summary)."""
+  run_dir = str(tmp_path_factory.mktemp("run"))
+  summary = trainer.train(_config(), run_dir)
+  _, cfg = convert.run_config(run_dir)
+  params = checkpointing.restore_params(
+      os.path.join(run_dir, "checkpoints"), STEPS, convert.abstract_params(cfg))
+  return run_dir, cfg, jax.tree.map(np.asarray, params), summary
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("hf"))
+  convert.export(run[0], out)
+  return out
+
+
+def _tokens(shape=(2, 32)):
+  return np.random.default_rng(1).integers(0, 288, shape).astype(np.int32)
+
+
+def _fp4jax_logits(cfg, params, tokens):
+  llama = model_lib.Llama(cfg, fp4jax.recipe("bf16"))
+  return np.asarray(llama.apply({"params": params}, tokens))
+
+
+def _mesh_abstract(cfg, **mesh):
+  """Abstract params sharded like the trainer's on a data/fsdp/tensor mesh."""
+  mesh_cfg = sharding.mesh_config()
+  mesh_cfg.update(mesh)
+  mesh = sharding.make_mesh(mesh_cfg)
+  llama = model_lib.Llama(cfg, fp4jax.recipe("bf16"))
+  boxed = jax.eval_shape(
+      lambda k: llama.init({"params": k}, np.zeros((1, 1), np.int32))[
+          "params"], jax.random.key(0))
+  shardings = sharding.logical_to_sharding(boxed, mesh)
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.unbox(boxed), shardings)
+
+
+def test_export_writes_a_llama_config(run, exported):
+  run_dir, cfg, _, _ = run
+  with open(os.path.join(exported, "config.json")) as f:
+    hf = json.load(f)
+  assert hf["architectures"] == ["LlamaForCausalLM"]
+  assert (hf["vocab_size"], hf["hidden_size"], hf["intermediate_size"],
+          hf["num_hidden_layers"], hf["num_attention_heads"],
+          hf["num_key_value_heads"], hf["head_dim"]) == (288, 128, 384, 2, 4,
+                                                         2, 32)
+  assert hf["rope_theta"] == 10000.0 and hf["rms_norm_eps"] == 1e-5
+  assert hf["rope_scaling"] == dict(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+      high_freq_factor=4.0, original_max_position_embeddings=64)
+  assert (hf["bos_token_id"], hf["eos_token_id"]) == (256, 257)
+  assert hf["tie_word_embeddings"] is False and hf["torch_dtype"] == "float32"
+  assert hf["max_position_embeddings"] == 64  # max(seq_len, original context)
+  assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]
+  fields, tied = convert.llama_fields(hf, "config.json")
+  assert not tied and fields == {k: getattr(cfg, k)
+                                 for k in convert.MODEL_FIELDS}
+  # transformers >= 5 writes rope_parameters (theta inside): same fields.
+  v5 = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
+  v5["rope_parameters"] = dict(hf["rope_scaling"], rope_theta=10000.0)
+  assert convert.llama_fields(v5, "config.json")[0] == fields
+
+
+def _reference_params(tensors, c):
+  """The NumPy reference's tree from HF tensors, re-laid out independently."""
+  d, h, kv, hd = c.dim, c.n_heads, c.n_kv_heads, c.head_dim
+  out = {"embed": {"embedding": tensors["model.embed_tokens.weight"]},
+         "final_norm": {"scale": tensors["model.norm.weight"]},
+         "head": {"kernel": tensors["lm_head.weight"].T}}
+  for i in range(c.n_layers):
+    t = lambda name: tensors[f"model.layers.{i}.{name}.weight"]  # pylint: disable=cell-var-from-loop
+    out[f"block_{i}"] = {
+        "attn_norm": {"scale": t("input_layernorm")},
+        "mlp_norm": {"scale": t("post_attention_layernorm")},
+        "attn": {"q": {"kernel": t("self_attn.q_proj").T.reshape(d, h, hd)},
+                 "k": {"kernel": t("self_attn.k_proj").T.reshape(d, kv, hd)},
+                 "v": {"kernel": t("self_attn.v_proj").T.reshape(d, kv, hd)},
+                 "o": {"kernel": t("self_attn.o_proj").T.reshape(h, hd, d)}},
+        "mlp": {"gate": {"kernel": t("mlp.gate_proj").T},
+                "up": {"kernel": t("mlp.up_proj").T},
+                "down": {"kernel": t("mlp.down_proj").T}}}
+  return out
+
+
+def test_numpy_forward_of_the_safetensors_file_gives_fp4jax_logits(
+    run, exported):
+  _, cfg, params, _ = run
+  with open(os.path.join(exported, "config.json")) as f:
+    hf = json.load(f)
+  rope = hf["rope_scaling"]
+  c = types.SimpleNamespace(
+      dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+      n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
+      head_dim=hf["head_dim"], norm_eps=hf["rms_norm_eps"],
+      rope_theta=hf["rope_theta"], rope_factor=rope["factor"],
+      rope_low_freq_factor=rope["low_freq_factor"],
+      rope_high_freq_factor=rope["high_freq_factor"],
+      rope_original_context=rope["original_max_position_embeddings"])
+  tensors = safetensors.numpy.load_file(
+      os.path.join(exported, "model.safetensors"))
+  tokens = _tokens()
+  want = _fp4jax_logits(cfg, params, tokens)
+  got = _numpy_llama(_reference_params(tensors, c), tokens, c)
+  np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+  # Without the Llama 3 scaling the logits differ: the check sees the RoPE.
+  plain = _numpy_llama(_reference_params(tensors, c), tokens,
+                       types.SimpleNamespace(**{**vars(c), "rope_factor": 1.0}))
+  assert np.abs(plain - want).max() > 1e-2
+
+
+class _CountingFile:
+  """safe_open stand-in recording the elements each get_slice read returns."""
+  reads = []
+
+  def __init__(self, *args, **kwargs):
+    self._file = safe_open(*args, **kwargs)
+
+  def __enter__(self):
+    self._file.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    return self._file.__exit__(*exc)
+
+  def keys(self):
+    return self._file.keys()
+
+  def get_slice(self, name):
+    view = self._file.get_slice(name)
+    outer = self
+
+    class View:
+      get_shape, get_dtype = view.get_shape, view.get_dtype
+
+      def __getitem__(self, index):
+        block = view[index]
+        outer.reads.append((name, block.size))
+        return block
+
+    return View()
+
+
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8),
+                                  dict(data=1, fsdp=4, tensor=2)])
+def test_round_trip_is_bitwise_and_reads_only_local_shards(
+    run, exported, mesh, monkeypatch):
+  _, cfg, params, _ = run
+  abstract = _mesh_abstract(cfg, **mesh)
+  checkpoint = convert.HfCheckpoint(exported, cfg)
+  _CountingFile.reads = []
+  monkeypatch.setattr(convert, "safe_open", _CountingFile)
+  loaded = checkpoint.load(abstract)
+  flat_want = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(loaded)[0],
+                             jax.tree.leaves(abstract)):
+    assert x.sharding == spec.sharding and x.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(x), flat_want[path])
+  # Every read is one device's block: the q kernel [128, 4, 32] is split 8
+  # ways over (embed, heads), so no read holds more than 1/8 of it.
+  q_reads = [n for name, n in _CountingFile.reads
+             if name == "model.layers.0.self_attn.q_proj.weight"]
+  assert len(q_reads) == 8 and max(q_reads) == 128 * 4 * 32 // 8
+  shards = {name: n for name, n in _CountingFile.reads}
+  assert shards["model.embed_tokens.weight"] <= 288 * 128 // 4
+
+
+def test_scanned_layers_load_the_same_tensors(run, exported):
+  _, cfg, params, _ = run
+  scanned = dataclasses.replace(cfg, scan_layers=True)
+  loaded = convert.HfCheckpoint(exported, scanned).load(
+      _mesh_abstract(scanned, data=1, fsdp=8))
+  for sub in (("attn", "q", "kernel"), ("attn", "o", "kernel"),
+              ("mlp", "down", "kernel"), ("attn_norm", "scale")):
+    got = loaded["blocks"]
+    for key in sub:
+      got = got[key]
+    want = [params[f"block_{i}"] for i in range(2)]
+    for key in sub:
+      want = [w[key] for w in want]
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+
+
+def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
+  run_dir, cfg, params, _ = run
+  out = str(tmp_path / "sharded")
+  lines = convert.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4)
+  files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+  assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}" \
+      ".safetensors" and "in %d file(s)" % len(files) in lines[0]
+  with open(os.path.join(out, convert.INDEX_FILE)) as f:
+    index = json.load(f)
+  assert sorted(set(index["weight_map"].values())) == files
+  assert len(index["weight_map"]) == 3 + 9 * cfg.n_layers
+  loaded = convert.HfCheckpoint(out, cfg).load(convert.abstract_params(cfg))
+  rounded = jax.tree.map(
+      lambda x: np.asarray(x).astype(jax.numpy.bfloat16).astype(np.float32),
+      params)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded),
+               rounded)
+
+
+def _transformers():
+  missing = [m for m in ("torch", "transformers")
+             if importlib.util.find_spec(m) is None]
+  if missing:
+    pytest.skip(f"{' and '.join(missing)} not installed (pip install "
+                "'fp4jax[test]'): the export is not loaded with transformers")
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  return torch, transformers
+
+
+def test_transformers_loads_the_export_with_the_same_logits(run, exported):
+  torch, transformers = _transformers()
+  _, cfg, params, _ = run
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+  assert type(hf_model).__name__ == "LlamaForCausalLM"
+  tokens = _tokens()
+  with torch.no_grad():
+    got = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  want = _fp4jax_logits(cfg, params, tokens)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_init_from_an_export_or_a_run_continues_from_its_parameters(
+    run, exported, tmp_path):
+  run_dir, _, _, summary = run
+  for source in (exported, run_dir, os.path.join(run_dir, "checkpoints",
+                                                 str(STEPS))):
+    workdir = str(tmp_path / os.path.basename(source))
+    resumed = trainer.train(_config(init_from=source), workdir)  # compiled
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      first = json.loads(f.readline())
+    # Step 0 evaluates the loaded parameters: the source run's final eval.
+    assert first["step"] == 0
+    assert first["eval_loss"] == summary["final_eval_loss"]
+    assert resumed["status"] == "completed" and np.isfinite(
+        resumed["final_loss"])
+
+
+def _rewrite(src, dst, edit_tensors=None, edit_config=None):
+  shutil.copytree(src, dst)
+  if edit_tensors:
+    path = os.path.join(dst, "model.safetensors")
+    tensors = safetensors.numpy.load_file(path)
+    edit_tensors(tensors)
+    safetensors.numpy.save_file(tensors, path)
+  if edit_config:
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+      hf = json.load(f)
+    edit_config(hf)
+    with open(path, "w") as f:
+      json.dump(hf, f)
+  return str(dst)
+
+
+UP1 = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.mark.parametrize("edit_tensors, edit_config, message", [
+    (lambda t: t.pop(UP1), None, f"missing tensor '{UP1}'"),
+    (lambda t: t.update(extra=np.zeros(3, np.float32)), None,
+     "unexpected tensor 'extra'"),
+    (lambda t: t.update({UP1: t[UP1][:, :64]}), None,
+     rf"tensor '{UP1}' is F32\[384, 64\]; expected shape \[384, 128\]"),
+    (lambda t: t.update({UP1: t[UP1].astype(np.int32)}), None,
+     rf"tensor '{UP1}' is I32\[384, 128\]"),
+    (None, lambda c: c.update(model_type="mistral"),
+     "not a Llama checkpoint .model_type 'mistral'"),
+    (None, lambda c: c["rope_scaling"].update(rope_type="yarn"),
+     "rope_scaling.rope_type 'yarn' is not implemented"),
+    (None, lambda c: c.update(num_hidden_layers=3),
+     "model.n_layers is 2 in this config but 3 in the checkpoint"),
+    (None, lambda c: c.update(attention_bias=True),
+     "attention_bias=True is not supported"),
+])
+def test_bad_checkpoints_are_refused_naming_the_tensor_or_field(
+    run, exported, tmp_path, edit_tensors, edit_config, message):
+  cfg = run[1]
+  bad = _rewrite(exported, tmp_path / "bad", edit_tensors, edit_config)
+  with pytest.raises(convert.ConvertError, match=message) as e:
+    convert.HfCheckpoint(bad, cfg)
+  assert "\n" not in str(e.value)
+
+
+def test_tied_embeddings_give_the_head(run, exported, tmp_path):
+  cfg = run[1]
+  tied = _rewrite(exported, tmp_path / "tied", lambda t: t.pop(
+      "lm_head.weight"), lambda c: c.update(tie_word_embeddings=True))
+  loaded = convert.HfCheckpoint(tied, cfg).load(convert.abstract_params(cfg))
+  np.testing.assert_array_equal(np.asarray(loaded["head"]["kernel"]),
+                                np.asarray(loaded["embed"]["embedding"]).T)
+
+
+def test_init_from_refuses_other_sizes_at_start(run, exported, tmp_path):
+  config = _config(init_from=exported)
+  config.model.mlp_dim = 256
+  with pytest.raises(trainer.ConfigError,
+                     match="init_from: .* model.mlp_dim is 256 in this config "
+                     "but 384 in the checkpoint"):
+    trainer.train(config, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path):
+  run_dir = run[0]
+  for args, message in (
+      ([str(tmp_path / "nothing"), str(tmp_path / "o")],
+       "is not an fp4jax run directory (no config.json)"),
+      ([run_dir, str(tmp_path / "o"), "--step", "7"],
+       f"--step 7: '{run_dir}' has checkpoints at steps [{STEPS}]")):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp4jax.convert", "export", *args],
+        capture_output=True, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
