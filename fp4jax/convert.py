@@ -54,6 +54,8 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json")
 # LlamaConfig fields that fix the parameters' shapes and the forward pass.
+_SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_context")
 MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                 "mlp_dim", "rope_theta", "rope_factor", "rope_low_freq_factor",
                 "rope_high_freq_factor", "rope_original_context", "norm_eps")
@@ -155,7 +157,8 @@ def hf_config(cfg, *, bos_id, eos_id, dtype, max_positions):
       "max_position_embeddings": max_positions,
       "rms_norm_eps": cfg.norm_eps,
       "rope_theta": cfg.rope_theta,
-      "rope_scaling": {
+      # Llama 3 scaling with factor 1 is plain RoPE.
+      "rope_scaling": None if cfg.rope_factor == 1 else {
           "rope_type": "llama3",
           "factor": cfg.rope_factor,
           "low_freq_factor": cfg.rope_low_freq_factor,
@@ -244,12 +247,17 @@ def check_model_fields(cfg, fields, where):
   """Refuses a checkpoint whose sizes differ from LlamaConfig `cfg`.
 
   `fields` holds the checkpoint's MODEL_FIELDS (missing rope fields take
-  the LlamaConfig defaults); the first differing field is named.
+  the LlamaConfig defaults); the first differing field is named. The Llama 3
+  scaling fields are not compared when both sides have rope_factor 1 (plain
+  RoPE).
   """
   defaults = model_lib.LlamaConfig(**{
       k: fields[k] for k in ("vocab_size", "dim", "n_layers", "n_heads",
                              "n_kv_heads", "mlp_dim")})
+  plain = cfg.rope_factor == 1 and fields.get("rope_factor") == 1
   for key in MODEL_FIELDS:
+    if plain and key in _SCALING_FIELDS:
+      continue
     theirs = fields.get(key, getattr(defaults, key))
     if getattr(cfg, key) != theirs:
       raise ConvertError(
@@ -454,12 +462,73 @@ def _shards(table, cfg, dtype, max_bytes):
   return files
 
 
-def _copy_tokenizer(tokenizer, out_dir):
-  """Copies a run's tokenizer files; returns a line for the user."""
+def _byte_symbols():
+  """The byte -> printable character map of byte-level BPE (GPT-2's).
+
+  Printable Latin-1 bytes stand for themselves; the others, in order, take
+  the characters from U+0100 on.
+  """
+  keep = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC
+          or 0xAE <= b <= 0xFF]
+  others = [b for b in range(256) if b not in keep]
+  symbols = {b: chr(b) for b in keep}
+  symbols.update({b: chr(256 + i) for i, b in enumerate(others)})
+  return symbols
+
+
+BYTE_SPECIAL_NAMES = ("<|begin_of_text|>", "<|end_of_text|>")
+
+
+def byte_tokenizer_files(tok, max_length):
+  """(tokenizer.json, tokenizer_config.json) dicts for fp4jax's ByteTokenizer.
+
+  A byte-level BPE without merges, so token i is byte i; BOS and EOS are
+  added tokens with the ids of `tok`, and BOS is prepended when special
+  tokens are requested (as Llama 3's tokenizer does).
+  """
+  bos, eos = BYTE_SPECIAL_NAMES
+  special = lambda i, name: dict(id=i, content=name, single_word=False,
+                                 lstrip=False, rstrip=False, normalized=False,
+                                 special=True)
+  tokenizer = {
+      "version": "1.0", "truncation": None, "padding": None,
+      "added_tokens": [special(tok.bos_id, bos), special(tok.eos_id, eos)],
+      "normalizer": None,
+      "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                        "trim_offsets": True, "use_regex": False},
+      "post_processor": {
+          "type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}}],
+          "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}},
+                   {"Sequence": {"id": "B", "type_id": 1}}],
+          "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id],
+                                   "tokens": [bos]}}},
+      "decoder": {"type": "ByteLevel", "add_prefix_space": False,
+                  "trim_offsets": True, "use_regex": False},
+      "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                "fuse_unk": False, "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {c: b for b, c in _byte_symbols().items()},
+                "merges": []},
+  }
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+            "eos_token": eos, "model_max_length": max_length}
+  return tokenizer, config
+
+
+def _write_tokenizer(tokenizer, tok, out_dir, max_length):
+  """Writes or copies a run's tokenizer files; returns a line for the user."""
   if tokenizer == "bytes":
+    files = byte_tokenizer_files(tok, max_length)
+    for name, content in zip(TOKENIZER_FILES[:2], files):
+      with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, ensure_ascii=False)
     return ("tokenizer: the run used fp4jax's byte tokenizer (ids 0-255 are "
-            "UTF-8 bytes, BOS 256, EOS 257; fp4jax.tokenizers.ByteTokenizer); "
-            "no Hugging Face tokenizer files were written, so pass token ids")
+            "UTF-8 bytes, BOS 256, EOS 257); wrote it as a byte-level "
+            "tokenizer.json (no merges) with the same ids")
   path = tokenizer
   if os.path.isdir(path):
     path = os.path.join(path, "tokenizer.json")
@@ -516,14 +585,16 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
                 f, indent=2)
+  # The context RoPE scaling extends to (or the run's, when longer).
+  max_positions = max(int(config.get("seq_len", 0)),
+                      int(cfg.rope_original_context * cfg.rope_factor))
   hf = hf_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=dtype,
-                 max_positions=max(int(config.get("seq_len", 0)),
-                                   cfg.rope_original_context))
+                 max_positions=max_positions)
   with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
   return [f"wrote {out_dir}: step {step} of {run_dir}, {len(table)} tensors, "
           f"{total:,} bytes ({dtype}) in {len(files)} file(s)",
-          _copy_tokenizer(tokenizer, out_dir)]
+          _write_tokenizer(tokenizer, tok, out_dir, max_positions)]
 
 
 def _run_tokenizer(tokenizer):

@@ -104,8 +104,10 @@ def test_export_writes_a_llama_config(run, exported):
       high_freq_factor=4.0, original_max_position_embeddings=64)
   assert (hf["bos_token_id"], hf["eos_token_id"]) == (256, 257)
   assert hf["tie_word_embeddings"] is False and hf["torch_dtype"] == "float32"
-  assert hf["max_position_embeddings"] == 64  # max(seq_len, original context)
-  assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]
+  assert hf["max_position_embeddings"] == 64 * 8  # the context RoPE reaches
+  assert sorted(os.listdir(exported)) == [
+      "config.json", "model.safetensors", "tokenizer.json",
+      "tokenizer_config.json"]
   fields, tied = convert.llama_fields(hf, "config.json")
   assert not tied and fields == {k: getattr(cfg, k)
                                  for k in convert.MODEL_FIELDS}
@@ -113,6 +115,32 @@ def test_export_writes_a_llama_config(run, exported):
   v5 = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
   v5["rope_parameters"] = dict(hf["rope_scaling"], rope_theta=10000.0)
   assert convert.llama_fields(v5, "config.json")[0] == fields
+
+
+def test_plain_rope_exports_no_scaling_and_reads_back(run):
+  cfg = dataclasses.replace(run[1], rope_factor=1.0)
+  hf = convert.hf_config(cfg, bos_id=1, eos_id=2, dtype="float32",
+                         max_positions=32)
+  assert hf["rope_scaling"] is None
+  fields, _ = convert.llama_fields(hf, "config.json")
+  assert fields["rope_factor"] == 1.0
+  convert.check_model_fields(cfg, fields, "config.json")  # 64 vs 8192: unused
+  with pytest.raises(convert.ConvertError, match="model.rope_factor is 8.0"):
+    convert.check_model_fields(run[1], fields, "config.json")
+
+
+TEXT = "héllo  wörld\n\tdef f(x):\r\n  return x ~ \U0001f642 \x00\x7f"
+
+
+def test_byte_tokenizer_export_gives_the_same_ids(exported):
+  pytest.importorskip("tokenizers", reason="tokenizers not installed (pip "
+                      "install 'fp4jax[test]')")
+  from fp4jax import tokenizers  # pylint: disable=g-import-not-at-top
+  byte = tokenizers.ByteTokenizer()
+  hf = tokenizers.make_tokenizer(os.path.join(exported, "tokenizer.json"))
+  assert (hf.bos_id, hf.eos_id) == (byte.bos_id, byte.eos_id)
+  np.testing.assert_array_equal(hf.encode(TEXT), byte.encode(TEXT))
+  assert hf.decode(byte.encode(TEXT)) == TEXT
 
 
 def _reference_params(tensors, c):
@@ -274,6 +302,9 @@ def test_transformers_loads_the_export_with_the_same_logits(run, exported):
     got = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   want = _fp4jax_logits(cfg, params, tokens)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+  ids = tokenizer(TEXT).input_ids
+  assert ids[0] == 256 and ids[1:] == list(TEXT.encode("utf-8"))
 
 
 def test_init_from_an_export_or_a_run_continues_from_its_parameters(
@@ -357,16 +388,19 @@ def test_init_from_refuses_other_sizes_at_start(run, exported, tmp_path):
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
 
-def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path):
+def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
+  proc = subprocess.run(
+      [sys.executable, "-m", "fp4jax.convert", "export",
+       str(tmp_path / "nothing"), str(tmp_path / "o")],
+      capture_output=True, text=True, cwd=ROOT,
+      env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+  assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+  assert "is not an fp4jax run directory (no config.json)" in proc.stderr
   run_dir = run[0]
   for args, message in (
-      ([str(tmp_path / "nothing"), str(tmp_path / "o")],
-       "is not an fp4jax run directory (no config.json)"),
-      ([run_dir, str(tmp_path / "o"), "--step", "7"],
-       f"--step 7: '{run_dir}' has checkpoints at steps [{STEPS}]")):
-    proc = subprocess.run(
-        [sys.executable, "-m", "fp4jax.convert", "export", *args],
-        capture_output=True, text=True, cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT), check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+      (["--step", "7"], f"--step 7: '{run_dir}' has checkpoints at steps "
+       f"[{STEPS}]"),
+      (["--max_shard_gb", "0"], "--max_shard_gb must be > 0")):
+    assert convert.main(["export", run_dir, str(tmp_path / "o"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
