@@ -32,6 +32,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -546,6 +547,42 @@ def _write_tokenizer(tokenizer, tok, out_dir, max_length):
   return f"tokenizer: copied {copied} from {directory!r}"
 
 
+def write_weights(params, cfg, out_dir, dtype, max_bytes):
+  """Writes `params` (of LlamaConfig cfg) as Hugging Face safetensors.
+
+  One model.safetensors, or model-0000i-of-0000n.safetensors files of at most
+  `max_bytes` each (one tensor may exceed it) with model.safetensors.index.json.
+  Returns (number of files, bytes of tensor data).
+  """
+  for name in os.listdir(out_dir):  # a previous export's weights
+    if name == INDEX_FILE or re.fullmatch(
+        r"model(-\d{5}-of-\d{5})?\.safetensors", name):
+      os.remove(os.path.join(out_dir, name))
+  files = _shards(tensor_table(cfg), cfg, dtype, max_bytes)
+  names = ([SINGLE_FILE] if len(files) == 1 else
+           [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            for i in range(len(files))])
+  weight_map, total = {}, 0
+  for file_name, rows in zip(names, files):
+    tensors = {}
+    for name, path, layer, layout in rows:
+      leaf = params
+      for key in path:
+        leaf = leaf[key]
+      x = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+      tensors[name] = np.ascontiguousarray(to_hf(layout, x).astype(dtype))
+      weight_map[name] = file_name
+      total += tensors[name].nbytes
+    target = os.path.join(out_dir, file_name)
+    safetensors.numpy.save_file(tensors, target, metadata={"format": "pt"})
+    os.chmod(target, 0o666 & ~_umask())  # safetensors writes 0600
+  if len(files) > 1:
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
+                f, indent=2)
+  return len(files), total
+
+
 def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
   """Writes the run's checkpoint `step` (default newest) as a HF Llama.
 
@@ -562,29 +599,8 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   tok = _run_tokenizer(tokenizer)
   os.makedirs(out_dir, exist_ok=True)
-  np_dtype = EXPORT_DTYPES[dtype]
-  table = tensor_table(cfg)
-  files = _shards(table, cfg, np_dtype, max_shard_gb * 1e9)
-  names = ([SINGLE_FILE] if len(files) == 1 else
-           [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            for i in range(len(files))])
-  weight_map, total = {}, 0
-  for file_name, rows in zip(names, files):
-    tensors = {}
-    for name, path, layer, layout in rows:
-      leaf = params
-      for key in path:
-        leaf = leaf[key]
-      x = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
-      tensors[name] = np.ascontiguousarray(to_hf(layout, x).astype(np_dtype))
-      weight_map[name] = file_name
-      total += tensors[name].nbytes
-    safetensors.numpy.save_file(tensors, os.path.join(out_dir, file_name),
-                                metadata={"format": "pt"})
-  if len(files) > 1:
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
-                f, indent=2)
+  n_files, total = write_weights(params, cfg, out_dir, EXPORT_DTYPES[dtype],
+                                 max_shard_gb * 1e9)
   # The context RoPE scaling extends to (or the run's, when longer).
   max_positions = max(int(config.get("seq_len", 0)),
                       int(cfg.rope_original_context * cfg.rope_factor))
@@ -592,9 +608,16 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
                  max_positions=max_positions)
   with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
-  return [f"wrote {out_dir}: step {step} of {run_dir}, {len(table)} tensors, "
-          f"{total:,} bytes ({dtype}) in {len(files)} file(s)",
+  return [f"wrote {out_dir}: step {step} of {run_dir}, "
+          f"{len(tensor_table(cfg))} tensors, "
+          f"{total:,} bytes ({dtype}) in {n_files} file(s)",
           _write_tokenizer(tokenizer, tok, out_dir, max_positions)]
+
+
+def _umask():
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
 
 
 def _run_tokenizer(tokenizer):
@@ -623,7 +646,7 @@ def main(argv=None):
   try:
     lines = export(args.run_dir, args.out_dir, step=args.step,
                    dtype=args.dtype, max_shard_gb=args.max_shard_gb)
-  except ConvertError as e:
+  except (ConvertError, OSError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
   print("\n".join(lines))

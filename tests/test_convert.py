@@ -117,6 +117,30 @@ def test_export_writes_a_llama_config(run, exported):
   assert convert.llama_fields(v5, "config.json")[0] == fields
 
 
+# Fields of the config.json published with Meta's Llama-3.1-8B.
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 128256}
+
+
+def test_llama31_8b_config_is_the_8b_preset():
+  fields, tied = convert.llama_fields(LLAMA31_8B, "config.json")
+  preset = model_lib.model_config("llama3.1-8b")
+  assert not tied
+  convert.check_model_fields(preset, fields, "config.json")
+  names = [row[0] for row in convert.tensor_table(preset)]
+  assert len(names) == len(set(names)) == 291  # as in its safetensors index
+
+
 def test_plain_rope_exports_no_scaling_and_reads_back(run):
   cfg = dataclasses.replace(run[1], rope_factor=1.0)
   hf = convert.hf_config(cfg, bos_id=1, eos_id=2, dtype="float32",
@@ -246,11 +270,19 @@ def test_round_trip_is_bitwise_and_reads_only_local_shards(
   assert shards["model.embed_tokens.weight"] <= 288 * 128 // 4
 
 
-def test_scanned_layers_load_the_same_tensors(run, exported):
+def test_scanned_layers_load_and_write_the_same_tensors(run, exported,
+                                                       tmp_path):
   _, cfg, params, _ = run
   scanned = dataclasses.replace(cfg, scan_layers=True)
   loaded = convert.HfCheckpoint(exported, scanned).load(
       _mesh_abstract(scanned, data=1, fsdp=8))
+  convert.write_weights(loaded, scanned, str(tmp_path), np.float32, 1e9)
+  again = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+  first = safetensors.numpy.load_file(os.path.join(exported,
+                                                   "model.safetensors"))
+  assert sorted(again) == sorted(first)
+  for name, x in first.items():
+    np.testing.assert_array_equal(again[name], x)
   for sub in (("attn", "q", "kernel"), ("attn", "o", "kernel"),
               ("mlp", "down", "kernel"), ("attn_norm", "scale")):
     got = loaded["blocks"]
@@ -265,6 +297,7 @@ def test_scanned_layers_load_the_same_tensors(run, exported):
 def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   run_dir, cfg, params, _ = run
   out = str(tmp_path / "sharded")
+  convert.export(run_dir, out)  # overwritten below, stale files removed
   lines = convert.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4)
   files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}" \
@@ -272,6 +305,10 @@ def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   with open(os.path.join(out, convert.INDEX_FILE)) as f:
     index = json.load(f)
   assert sorted(set(index["weight_map"].values())) == files
+  umask = os.umask(0)
+  os.umask(umask)
+  mode = os.stat(os.path.join(out, files[0])).st_mode & 0o777
+  assert mode == 0o666 & ~umask  # as any file written here
   assert len(index["weight_map"]) == 3 + 9 * cfg.n_layers
   loaded = convert.HfCheckpoint(out, cfg).load(convert.abstract_params(cfg))
   rounded = jax.tree.map(
