@@ -227,20 +227,19 @@ def llama_fields(hf, where):
                         hf.get("num_attention_heads")),
       norm_eps=_field(hf, "rms_norm_eps", where, float))
   fields.update(_rope_fields(hf, where))
-  head_dim = hf.get("head_dim") or fields["dim"] // fields["n_heads"]
+  try:
+    cfg = model_lib.LlamaConfig(**fields)
+  except ValueError as e:
+    raise ConvertError(f"{where}: {e}") from e
   unsupported = (
       ("hidden_act", hf.get("hidden_act", "silu"), "silu"),
       ("attention_bias", hf.get("attention_bias", False), False),
       ("mlp_bias", hf.get("mlp_bias", False), False),
-      ("head_dim", head_dim, fields["dim"] // fields["n_heads"]))
+      ("head_dim", hf.get("head_dim") or cfg.head_dim, cfg.head_dim))
   for key, value, allowed in unsupported:
     if value != allowed:
       raise ConvertError(f"{where}: {key}={value!r} is not supported; "
                          f"fp4jax's Llama needs {allowed!r}")
-  try:
-    model_lib.LlamaConfig(**fields)
-  except ValueError as e:
-    raise ConvertError(f"{where}: {e}") from e
   return fields, bool(hf.get("tie_word_embeddings", False))
 
 
@@ -291,8 +290,18 @@ def weight_files(directory):
     raise ConvertError(
         f"{directory!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
         "give a Hugging Face model directory with safetensors weights")
-  with safe_open(single, framework="np") as f:
+  with _safe_open(single) as f:
     return {name: single for name in f.keys()}
+
+
+def _safe_open(path):
+  """safetensors' NumPy reader of `path` (headers are read here)."""
+  try:
+    return safe_open(path, framework="np")
+  except Exception as e:  # pylint: disable=broad-except
+    # safetensors raises its own SafetensorError as well as OSError.
+    raise ConvertError(f"safetensors file {path!r} cannot be read: "
+                       f"{str(e).splitlines()[0]}") from e
 
 
 class HfCheckpoint:
@@ -333,10 +342,13 @@ class HfCheckpoint:
     shapes = _param_shapes(self.cfg)
     with contextlib.ExitStack() as stack:
       handles = self._open(stack)
-      for name, path, _, layout in self.table:
-        view = handles[self.files[name]].get_slice(name)
-        shape = shapes[path][1:] if self.cfg.scan_layers and path[0] == (
-            "blocks") else shapes[path]
+      for name, path, layer, layout in self.table:
+        try:
+          view = handles[self.files[name]].get_slice(name)
+        except Exception as e:  # pylint: disable=broad-except
+          raise ConvertError(f"{self.files[name]!r}: tensor {name!r} cannot "
+                             f"be read: {e}") from e
+        shape = shapes[path] if layer is None else shapes[path][1:]
         want = _hf_shape(layout, shape)
         if tuple(view.get_shape()) != want or view.get_dtype() not in (
             READ_DTYPES):
@@ -346,8 +358,8 @@ class HfCheckpoint:
               f"{list(want)} and a dtype in {READ_DTYPES}")
 
   def _open(self, stack):
-    return {f: stack.enter_context(safe_open(f, framework="np"))
-            for f in sorted(set(self.files.values()))}
+    return {path: stack.enter_context(_safe_open(path))
+            for path in sorted(set(self.files.values()))}
 
   def load(self, abstract_params):
     """The parameters as jax.Arrays with the shardings of `abstract_params`.

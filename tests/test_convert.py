@@ -406,6 +406,21 @@ def test_bad_checkpoints_are_refused_naming_the_tensor_or_field(
   assert "\n" not in str(e.value)
 
 
+def test_unreadable_weight_files_are_named(run, exported, tmp_path):
+  cfg = run[1]
+  bad = _rewrite(exported, tmp_path / "bad")
+  with open(os.path.join(bad, "model.safetensors"), "r+b") as f:
+    f.truncate(100)
+  with pytest.raises(convert.ConvertError,
+                     match="safetensors file .*model.safetensors' cannot be "
+                     "read"):
+    convert.HfCheckpoint(bad, cfg)
+  os.remove(os.path.join(bad, "model.safetensors"))
+  with pytest.raises(convert.ConvertError, match="has neither "
+                     "model.safetensors nor model.safetensors.index.json"):
+    convert.HfCheckpoint(bad, cfg)
+
+
 def test_tied_embeddings_give_the_head(run, exported, tmp_path):
   cfg = run[1]
   tied = _rewrite(exported, tmp_path / "tied", lambda t: t.pop(
