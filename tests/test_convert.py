@@ -329,16 +329,21 @@ def _transformers():
   return torch, transformers
 
 
-def test_transformers_loads_the_export_with_the_same_logits(run, exported):
+def test_transformers_loads_the_export_with_the_same_logits(run, exported,
+                                                           tmp_path):
   torch, transformers = _transformers()
-  _, cfg, params, _ = run
-  hf_model = transformers.AutoModelForCausalLM.from_pretrained(exported)
-  assert type(hf_model).__name__ == "LlamaForCausalLM"
+  run_dir, cfg, params, _ = run
+  sharded = str(tmp_path / "sharded")
+  convert.export(run_dir, sharded, max_shard_gb=5e-4)
+  assert os.path.exists(os.path.join(sharded, convert.INDEX_FILE))
   tokens = _tokens()
-  with torch.no_grad():
-    got = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
   want = _fp4jax_logits(cfg, params, tokens)
-  np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+  for directory in (exported, sharded):
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert type(hf_model).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+      got = hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
   tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
   ids = tokenizer(TEXT).input_ids
   assert ids[0] == 256 and ids[1:] == list(TEXT.encode("utf-8"))
