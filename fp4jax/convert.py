@@ -46,6 +46,7 @@ import safetensors.numpy
 from fp4jax import checkpointing
 from fp4jax import model as model_lib
 from fp4jax import recipes
+from fp4jax import sharding as sharding_lib
 
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 # safetensors dtype codes we read (converted exactly to float32).
@@ -401,17 +402,25 @@ def _path_names(key_path):
   return tuple(k.key for k in key_path)
 
 
-def abstract_params(cfg, sharding=None):
-  """The params pytree of LlamaConfig `cfg` as jax.ShapeDtypeStruct."""
+def abstract_params(cfg, mesh=None):
+  """The params pytree of LlamaConfig `cfg` as jax.ShapeDtypeStruct.
+
+  With a mesh, each leaf has the trainer's sharding (from its logical axis
+  names); without, it lives on the first device.
+  """
   llama = model_lib.Llama(cfg, recipes.recipe("bf16"))
   tokens = jnp.zeros((1, 1), jnp.int32)
-  shapes = nn.unbox(jax.eval_shape(
+  boxed = jax.eval_shape(
       lambda key: llama.init({"params": key}, tokens)["params"],
-      jax.random.key(0)))
-  sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      jax.random.key(0))
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, nn.unbox(boxed))
+  else:
+    shardings = sharding_lib.logical_to_sharding(boxed, mesh)
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-      shapes)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.unbox(boxed), shardings)
 
 
 def _param_shapes(cfg):

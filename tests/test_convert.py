@@ -6,11 +6,13 @@ checked against fp4jax with an independent NumPy forward that reads only the
 safetensors file and config.json, and with transformers when installed.
 """
 
+import collections
 import dataclasses
 import importlib.util
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -19,7 +21,6 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
-from safetensors import safe_open
 
 import fp4jax
 from fp4jax import checkpointing
@@ -27,6 +28,7 @@ from fp4jax import convert
 from fp4jax import model as model_lib
 from fp4jax import sharding
 from fp4jax import trainer
+from multihost_load import CountingFile
 from tests.test_model import _numpy_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,16 +79,7 @@ def _mesh_abstract(cfg, **mesh):
   """Abstract params sharded like the trainer's on a data/fsdp/tensor mesh."""
   mesh_cfg = sharding.mesh_config()
   mesh_cfg.update(mesh)
-  mesh = sharding.make_mesh(mesh_cfg)
-  llama = model_lib.Llama(cfg, fp4jax.recipe("bf16"))
-  boxed = jax.eval_shape(
-      lambda k: llama.init({"params": k}, np.zeros((1, 1), np.int32))[
-          "params"], jax.random.key(0))
-  shardings = sharding.logical_to_sharding(boxed, mesh)
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      nn.unbox(boxed), shardings)
+  return convert.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
 
 
 def test_export_writes_a_llama_config(run, exported):
@@ -214,38 +207,6 @@ def test_numpy_forward_of_the_safetensors_file_gives_fp4jax_logits(
   assert np.abs(plain - want).max() > 1e-2
 
 
-class _CountingFile:
-  """safe_open stand-in recording the elements each get_slice read returns."""
-  reads = []
-
-  def __init__(self, *args, **kwargs):
-    self._file = safe_open(*args, **kwargs)
-
-  def __enter__(self):
-    self._file.__enter__()
-    return self
-
-  def __exit__(self, *exc):
-    return self._file.__exit__(*exc)
-
-  def keys(self):
-    return self._file.keys()
-
-  def get_slice(self, name):
-    view = self._file.get_slice(name)
-    outer = self
-
-    class View:
-      get_shape, get_dtype = view.get_shape, view.get_dtype
-
-      def __getitem__(self, index):
-        block = view[index]
-        outer.reads.append((name, block.size))
-        return block
-
-    return View()
-
-
 @pytest.mark.parametrize("mesh", [dict(data=1, fsdp=8),
                                   dict(data=1, fsdp=4, tensor=2)])
 def test_round_trip_is_bitwise_and_reads_only_local_shards(
@@ -253,21 +214,24 @@ def test_round_trip_is_bitwise_and_reads_only_local_shards(
   _, cfg, params, _ = run
   abstract = _mesh_abstract(cfg, **mesh)
   checkpoint = convert.HfCheckpoint(exported, cfg)
-  _CountingFile.reads = []
-  monkeypatch.setattr(convert, "safe_open", _CountingFile)
+  monkeypatch.setattr(convert, "safe_open", CountingFile)
+  monkeypatch.setattr(CountingFile, "reads", collections.Counter())
   loaded = checkpoint.load(abstract)
   flat_want = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(loaded)[0],
                              jax.tree.leaves(abstract)):
     assert x.sharding == spec.sharding and x.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(x), flat_want[path])
-  # Every read is one device's block: the q kernel [128, 4, 32] is split 8
-  # ways over (embed, heads), so no read holds more than 1/8 of it.
-  q_reads = [n for name, n in _CountingFile.reads
-             if name == "model.layers.0.self_attn.q_proj.weight"]
-  assert len(q_reads) == 8 and max(q_reads) == 128 * 4 * 32 // 8
-  shards = {name: n for name, n in _CountingFile.reads}
-  assert shards["model.embed_tokens.weight"] <= 288 * 128 // 4
+  # Each device reads exactly its own block: what was read of a tensor is the
+  # sum of its 8 devices' blocks (the tensor once when it is split 8 ways).
+  for name, path, _, _ in convert.tensor_table(cfg):
+    x = loaded
+    for key in path:
+      x = x[key]
+    assert CountingFile.reads[name] == sum(
+        s.data.size for s in x.addressable_shards), name
+  assert CountingFile.reads["model.layers.0.self_attn.q_proj.weight"] == (
+      128 * 4 * 32)  # [embed, heads, head_dim] split 8 ways
 
 
 def test_scanned_layers_load_and_write_the_same_tensors(run, exported,
@@ -461,3 +425,38 @@ def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
     assert convert.main(["export", run_dir, str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_two_processes_each_read_only_their_devices_blocks(run, exported,
+                                                          tmp_path):
+  """Two JAX processes (4 CPU devices each) load onto one FSDP mesh of 8."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  script = os.path.join(ROOT, "tests", "multihost_load.py")
+  outs = [str(tmp_path / f"process_{i}.npz") for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, script, coordinator, str(i),
+                             exported, outs[i]], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(2)]
+  logs = [p.communicate(timeout=300)[0].decode()[-2000:] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(logs)
+  params = {jax.tree_util.keystr(k): v for k, v in
+            jax.tree_util.tree_flatten_with_path(run[2])[0]}
+  covered = {k: np.zeros(v.shape, bool) for k, v in params.items()}
+  for out in outs:
+    saved = np.load(out)
+    # Half the devices, half of every split tensor (the norms are replicated).
+    assert saved["read|model.layers.1.mlp.down_proj.weight"] == 384 * 128 // 2
+    assert saved["read|lm_head.weight"] == 288 * 128 // 2
+    assert saved["read|model.embed_tokens.weight"] == 288 * 128 // 2
+    for key in saved.files:
+      if key.startswith("read|"):
+        continue
+      path, where = key.split("|")
+      index = tuple(slice(*map(int, w.split(":"))) for w in where.split(","))
+      np.testing.assert_array_equal(saved[key], params[path][index])
+      covered[path][index] = True
+  assert all(c.all() for c in covered.values())
