@@ -460,8 +460,8 @@ def run_step(run_dir, step=None):
   if step is None:
     return steps[-1]
   if step not in steps:
-    raise ConvertError(f"--step {step}: {run_dir!r} has checkpoints at "
-                       f"steps {steps}")
+    raise ConvertError(f"no checkpoint at step {step}: {run_dir!r} has "
+                       f"checkpoints at steps {steps}")
   return step
 
 

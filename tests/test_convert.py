@@ -25,6 +25,7 @@ import safetensors.numpy
 import fp4jax
 from fp4jax import checkpointing
 from fp4jax import convert
+from fp4jax import init_from
 from fp4jax import model as model_lib
 from fp4jax import sharding
 from fp4jax import trainer
@@ -409,6 +410,21 @@ def test_init_from_refuses_other_sizes_at_start(run, exported, tmp_path):
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
 
+def test_init_from_names_what_does_not_fit(run, tmp_path):
+  run_dir, cfg, _, _ = run
+  for path, c, message in (
+      (str(tmp_path / "none"), cfg, "'.*none' is not a directory"),
+      (str(tmp_path), cfg, "is not a Hugging Face checkpoint .no config.json."),
+      (run_dir, dataclasses.replace(cfg, scan_layers=True),
+       "model.scan_layers is True in this config but False in the checkpoint"),
+      (run_dir, dataclasses.replace(cfg, rope_theta=5e5),
+       "model.rope_theta is 500000.0 in this config but 10000.0"),
+      (os.path.join(run_dir, "checkpoints", "9"), cfg, "is not a directory")):
+    with pytest.raises(trainer.ConfigError,
+                       match="bad config: config.init_from: .*" + message):
+      init_from.open_source(path, c)
+
+
 def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
   proc = subprocess.run(
       [sys.executable, "-m", "fp4jax.convert", "export",
@@ -419,8 +435,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
   assert "is not an fp4jax run directory (no config.json)" in proc.stderr
   run_dir = run[0]
   for args, message in (
-      (["--step", "7"], f"--step 7: '{run_dir}' has checkpoints at steps "
-       f"[{STEPS}]"),
+      (["--step", "7"], f"no checkpoint at step 7: '{run_dir}' has "
+       f"checkpoints at steps [{STEPS}]"),
       (["--max_shard_gb", "0"], "--max_shard_gb must be > 0")):
     assert convert.main(["export", run_dir, str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
