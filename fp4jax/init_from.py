@@ -19,6 +19,7 @@ import os
 
 from fp4jax import checkpointing
 from fp4jax import convert
+from fp4jax import hf_llama
 from fp4jax.train_config import ConfigError
 
 
@@ -34,10 +35,10 @@ class _RunCheckpoint:
           os.path.normpath(path)))
     _, theirs = convert.run_config(run_dir)
     where = os.path.join(run_dir, "config.json")
-    convert.check_model_fields(
-        cfg, {k: getattr(theirs, k) for k in convert.MODEL_FIELDS}, where)
+    hf_llama.check_model_fields(
+        cfg, {k: getattr(theirs, k) for k in hf_llama.MODEL_FIELDS}, where)
     if theirs.scan_layers != cfg.scan_layers:
-      raise convert.ConvertError(
+      raise hf_llama.ConvertError(
           f"{where}: model.scan_layers is {cfg.scan_layers} in this config "
           f"but {theirs.scan_layers} in the checkpoint; set "
           f"--config.model.scan_layers={theirs.scan_layers}")
@@ -60,10 +61,10 @@ def open_source(path, cfg):
     return None
   try:
     if not os.path.isdir(path):
-      raise convert.ConvertError(f"{path!r} is not a directory")
+      raise hf_llama.ConvertError(f"{path!r} is not a directory")
     is_run = (os.path.isdir(os.path.join(path, "checkpoints"))
               or os.path.isdir(os.path.join(path, "state")))
-    return _RunCheckpoint(path, cfg) if is_run else convert.HfCheckpoint(
+    return _RunCheckpoint(path, cfg) if is_run else hf_llama.HfCheckpoint(
         path, cfg)
-  except convert.ConvertError as e:
+  except hf_llama.ConvertError as e:
     raise ConfigError(f"bad config: config.init_from: {e}") from e

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from fp4jax import convert
+from fp4jax import hf_llama
 from fp4jax import model as model_lib
 from fp4jax import sharding
 
@@ -59,14 +59,14 @@ def main(coordinator, process_id, hf_dir, out):
   dist.update(coordinator=coordinator, num_processes=2,
               process_id=int(process_id))
   sharding.initialize_distributed(dist)
-  fields, _ = convert.llama_fields(
-      convert._read_json(f"{hf_dir}/config.json", "config"), hf_dir)  # pylint: disable=protected-access
+  fields, _ = hf_llama.llama_fields(
+      hf_llama.read_json(f"{hf_dir}/config.json", "config"), hf_dir)  # pylint: disable=protected-access
   cfg = model_lib.LlamaConfig(**fields)
   mesh_cfg = sharding.mesh_config()
   mesh_cfg.update(data=1, fsdp=8)
-  abstract = convert.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
-  checkpoint = convert.HfCheckpoint(hf_dir, cfg)
-  convert.safe_open = CountingFile
+  abstract = hf_llama.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
+  checkpoint = hf_llama.HfCheckpoint(hf_dir, cfg)
+  hf_llama.safe_open = CountingFile
   loaded = checkpoint.load(abstract)
   saved = {f"read|{name}": np.int64(n)
            for name, n in CountingFile.reads.items()}

@@ -25,6 +25,7 @@ import safetensors.numpy
 import fp4jax
 from fp4jax import checkpointing
 from fp4jax import convert
+from fp4jax import hf_llama
 from fp4jax import init_from
 from fp4jax import model as model_lib
 from fp4jax import sharding
@@ -56,7 +57,7 @@ def run(tmp_path_factory):
   summary = trainer.train(_config(), run_dir)
   _, cfg = convert.run_config(run_dir)
   params = checkpointing.restore_params(
-      os.path.join(run_dir, "checkpoints"), STEPS, convert.abstract_params(cfg))
+      os.path.join(run_dir, "checkpoints"), STEPS, hf_llama.abstract_params(cfg))
   return run_dir, cfg, jax.tree.map(np.asarray, params), summary
 
 
@@ -80,7 +81,7 @@ def _mesh_abstract(cfg, **mesh):
   """Abstract params sharded like the trainer's on a data/fsdp/tensor mesh."""
   mesh_cfg = sharding.mesh_config()
   mesh_cfg.update(mesh)
-  return convert.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
+  return hf_llama.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
 
 
 def test_export_writes_a_llama_config(run, exported):
@@ -102,13 +103,13 @@ def test_export_writes_a_llama_config(run, exported):
   assert sorted(os.listdir(exported)) == [
       "config.json", "model.safetensors", "tokenizer.json",
       "tokenizer_config.json"]
-  fields, tied = convert.llama_fields(hf, "config.json")
+  fields, tied = hf_llama.llama_fields(hf, "config.json")
   assert not tied and fields == {k: getattr(cfg, k)
-                                 for k in convert.MODEL_FIELDS}
+                                 for k in hf_llama.MODEL_FIELDS}
   # transformers >= 5 writes rope_parameters (theta inside): same fields.
   v5 = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
   v5["rope_parameters"] = dict(hf["rope_scaling"], rope_theta=10000.0)
-  assert convert.llama_fields(v5, "config.json")[0] == fields
+  assert hf_llama.llama_fields(v5, "config.json")[0] == fields
 
 
 # Fields of the config.json published with Meta's Llama-3.1-8B.
@@ -127,24 +128,24 @@ LLAMA31_8B = {
 
 
 def test_llama31_8b_config_is_the_8b_preset():
-  fields, tied = convert.llama_fields(LLAMA31_8B, "config.json")
+  fields, tied = hf_llama.llama_fields(LLAMA31_8B, "config.json")
   preset = model_lib.model_config("llama3.1-8b")
   assert not tied
-  convert.check_model_fields(preset, fields, "config.json")
-  names = [row[0] for row in convert.tensor_table(preset)]
+  hf_llama.check_model_fields(preset, fields, "config.json")
+  names = [row[0] for row in hf_llama.tensor_table(preset)]
   assert len(names) == len(set(names)) == 291  # as in its safetensors index
 
 
 def test_plain_rope_exports_no_scaling_and_reads_back(run):
   cfg = dataclasses.replace(run[1], rope_factor=1.0)
-  hf = convert.hf_config(cfg, bos_id=1, eos_id=2, dtype="float32",
+  hf = hf_llama.hf_config(cfg, bos_id=1, eos_id=2, dtype="float32",
                          max_positions=32)
   assert hf["rope_scaling"] is None
-  fields, _ = convert.llama_fields(hf, "config.json")
+  fields, _ = hf_llama.llama_fields(hf, "config.json")
   assert fields["rope_factor"] == 1.0
-  convert.check_model_fields(cfg, fields, "config.json")  # 64 vs 8192: unused
-  with pytest.raises(convert.ConvertError, match="model.rope_factor is 8.0"):
-    convert.check_model_fields(run[1], fields, "config.json")
+  hf_llama.check_model_fields(cfg, fields, "config.json")  # 64 vs 8192: unused
+  with pytest.raises(hf_llama.ConvertError, match="model.rope_factor is 8.0"):
+    hf_llama.check_model_fields(run[1], fields, "config.json")
 
 
 TEXT = "héllo  wörld\n\tdef f(x):\r\n  return x ~ \U0001f642 \x00\x7f"
@@ -214,8 +215,8 @@ def test_round_trip_is_bitwise_and_reads_only_local_shards(
     run, exported, mesh, monkeypatch):
   _, cfg, params, _ = run
   abstract = _mesh_abstract(cfg, **mesh)
-  checkpoint = convert.HfCheckpoint(exported, cfg)
-  monkeypatch.setattr(convert, "safe_open", CountingFile)
+  checkpoint = hf_llama.HfCheckpoint(exported, cfg)
+  monkeypatch.setattr(hf_llama, "safe_open", CountingFile)
   monkeypatch.setattr(CountingFile, "reads", collections.Counter())
   loaded = checkpoint.load(abstract)
   flat_want = dict(jax.tree_util.tree_flatten_with_path(params)[0])
@@ -225,7 +226,7 @@ def test_round_trip_is_bitwise_and_reads_only_local_shards(
     np.testing.assert_array_equal(np.asarray(x), flat_want[path])
   # Each device reads exactly its own block: what was read of a tensor is the
   # sum of its 8 devices' blocks (the tensor once when it is split 8 ways).
-  for name, path, _, _ in convert.tensor_table(cfg):
+  for name, path, _, _ in hf_llama.tensor_table(cfg):
     x = loaded
     for key in path:
       x = x[key]
@@ -239,7 +240,7 @@ def test_scanned_layers_load_and_write_the_same_tensors(run, exported,
                                                        tmp_path):
   _, cfg, params, _ = run
   scanned = dataclasses.replace(cfg, scan_layers=True)
-  loaded = convert.HfCheckpoint(exported, scanned).load(
+  loaded = hf_llama.HfCheckpoint(exported, scanned).load(
       _mesh_abstract(scanned, data=1, fsdp=8))
   convert.write_weights(loaded, scanned, str(tmp_path), np.float32, 1e9)
   again = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
@@ -267,7 +268,7 @@ def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}" \
       ".safetensors" and "in %d file(s)" % len(files) in lines[0]
-  with open(os.path.join(out, convert.INDEX_FILE)) as f:
+  with open(os.path.join(out, hf_llama.INDEX_FILE)) as f:
     index = json.load(f)
   assert sorted(set(index["weight_map"].values())) == files
   umask = os.umask(0)
@@ -275,7 +276,7 @@ def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   mode = os.stat(os.path.join(out, files[0])).st_mode & 0o777
   assert mode == 0o666 & ~umask  # as any file written here
   assert len(index["weight_map"]) == 3 + 9 * cfg.n_layers
-  loaded = convert.HfCheckpoint(out, cfg).load(convert.abstract_params(cfg))
+  loaded = hf_llama.HfCheckpoint(out, cfg).load(hf_llama.abstract_params(cfg))
   rounded = jax.tree.map(
       lambda x: np.asarray(x).astype(jax.numpy.bfloat16).astype(np.float32),
       params)
@@ -300,7 +301,7 @@ def test_transformers_loads_the_export_with_the_same_logits(run, exported,
   run_dir, cfg, params, _ = run
   sharded = str(tmp_path / "sharded")
   convert.export(run_dir, sharded, max_shard_gb=5e-4)
-  assert os.path.exists(os.path.join(sharded, convert.INDEX_FILE))
+  assert os.path.exists(os.path.join(sharded, hf_llama.INDEX_FILE))
   tokens = _tokens()
   want = _fp4jax_logits(cfg, params, tokens)
   for directory in (exported, sharded):
@@ -371,8 +372,8 @@ def test_bad_checkpoints_are_refused_naming_the_tensor_or_field(
     run, exported, tmp_path, edit_tensors, edit_config, message):
   cfg = run[1]
   bad = _rewrite(exported, tmp_path / "bad", edit_tensors, edit_config)
-  with pytest.raises(convert.ConvertError, match=message) as e:
-    convert.HfCheckpoint(bad, cfg)
+  with pytest.raises(hf_llama.ConvertError, match=message) as e:
+    hf_llama.HfCheckpoint(bad, cfg)
   assert "\n" not in str(e.value)
 
 
@@ -381,21 +382,21 @@ def test_unreadable_weight_files_are_named(run, exported, tmp_path):
   bad = _rewrite(exported, tmp_path / "bad")
   with open(os.path.join(bad, "model.safetensors"), "r+b") as f:
     f.truncate(100)
-  with pytest.raises(convert.ConvertError,
+  with pytest.raises(hf_llama.ConvertError,
                      match="safetensors file .*model.safetensors' cannot be "
                      "read"):
-    convert.HfCheckpoint(bad, cfg)
+    hf_llama.HfCheckpoint(bad, cfg)
   os.remove(os.path.join(bad, "model.safetensors"))
-  with pytest.raises(convert.ConvertError, match="has neither "
+  with pytest.raises(hf_llama.ConvertError, match="has neither "
                      "model.safetensors nor model.safetensors.index.json"):
-    convert.HfCheckpoint(bad, cfg)
+    hf_llama.HfCheckpoint(bad, cfg)
 
 
 def test_tied_embeddings_give_the_head(run, exported, tmp_path):
   cfg = run[1]
   tied = _rewrite(exported, tmp_path / "tied", lambda t: t.pop(
       "lm_head.weight"), lambda c: c.update(tie_word_embeddings=True))
-  loaded = convert.HfCheckpoint(tied, cfg).load(convert.abstract_params(cfg))
+  loaded = hf_llama.HfCheckpoint(tied, cfg).load(hf_llama.abstract_params(cfg))
   np.testing.assert_array_equal(np.asarray(loaded["head"]["kernel"]),
                                 np.asarray(loaded["embed"]["embedding"]).T)
 
