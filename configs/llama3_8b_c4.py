@@ -5,6 +5,19 @@
       --config.data.val_path='/data/c4/en/c4-validation.*.json.gz' \\
       --config.data.tokenizer=/models/Llama-3.1-8B/tokenizer.json
 
+Two ways to feed C4 (en, 3.0.1):
+  1. MLPerf's json.gz files (the default below), streamed as they are:
+       --config.data.source=files --config.data.path='.../c4-train.*.json.gz'
+       --config.data.val_path='.../c4-validation.*.json.gz'
+  2. tensorflow-datasets' c4/en, prepared offline in the ArrayRecord format
+     (an Apache Beam job over Common Crawl, run elsewhere:
+     `tfds build c4/en:3.0.1 --file_format=array_record --data_dir=/data/tfds`,
+     then copy /data/tfds/c4); reading it needs only
+     `pip install 'fp4jax[tfds]'`, not TensorFlow:
+       --config.data.source=tfds --config.data.path=c4/en:3.0.1
+       --config.data.data_dir=/data/tfds
+     (splits data.train_split='train', data.val_split='validation').
+
 Global batch 32 x 8192 tokens, AdamW (0.9, 0.95, eps 1e-5, wd 0.1), peak lr
 8e-4 with 64 warm-up steps and cosine decay to 8e-5, stop at eval loss 3.3
 (a log-perplexity). The paths below are placeholders; the run fails at start

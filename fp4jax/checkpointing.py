@@ -91,3 +91,33 @@ class Checkpoints:
 
   def close(self):
     self._manager.close()
+
+
+def committed_steps(directory):
+  """Steps of the committed checkpoints under `directory`, oldest first.
+
+  Read-only (no manager is created): orbax commits a step by renaming its
+  temporary folder to the bare step number.
+  """
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and
+                os.path.isdir(os.path.join(directory, name, "state")))
+
+
+def restore_params(directory, step, abstract_params):
+  """Only the parameters of checkpoint `step` under `directory`.
+
+  `abstract_params` is a pytree of jax.ShapeDtypeStruct with shardings (the
+  TrainState's `params`); each process reads the parts its devices hold.
+  Returns the params pytree of jax.Array.
+  """
+  item = {"params": abstract_params}
+  restored = ocp.PyTreeCheckpointer().restore(
+      os.path.join(os.path.abspath(directory), str(step), "state"),
+      args=ocp.args.PyTreeRestore(
+          item=item,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+          partial_restore=True))
+  return restored["params"]

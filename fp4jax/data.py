@@ -23,7 +23,11 @@ Sources (data.source):
           data.val_path: a glob for validation (C4: `c4-validation.*.json.gz`);
           when empty, documents are split by hash.
   tfds    data.path: a TFDS name (e.g. "c4/en:3.0.1") read with
-          tfds.data_source(name, split=data.train_split / data.val_split).
+          tfds.data_source(name, split=data.train_split / data.val_split,
+          data_dir=data.data_dir): random access to a dataset prepared
+          offline in the ArrayRecord format (`tfds build c4/en
+          --file_format=array_record`); reading needs tensorflow-datasets
+          and array_record, not TensorFlow.
 Without a separate validation set, a document is in validation when a stable
 hash (sha256) of its file path (and line number, for JSON lines) falls below
 data.val_fraction. Training epochs repeat endlessly, each with a new shuffle;
@@ -68,6 +72,7 @@ def data_config():
                             # many held-out tokens (validation_windows)
       train_split="train",  # tfds splits
       val_split="validation",
+      data_dir="",          # tfds data_dir ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets)
   ))
 
 
@@ -372,7 +377,15 @@ def _corpus(cfg, split):
       raise ValueError("data.source='tfds' needs data.path, a TFDS name such "
                        "as 'c4/en:3.0.1'.")
     name = cfg.val_split if validation else cfg.train_split
-    source = tfds.data_source(cfg.path, split=name)
+    try:
+      source = tfds.data_source(cfg.path, split=name,
+                                data_dir=cfg.data_dir or None)
+    except ValueError as e:  # also tfds' DatasetNotFoundError
+      raise ValueError(
+          f"tfds {cfg.path!r} split {name!r} (data.data_dir="
+          f"{cfg.data_dir!r}) cannot be read: {str(e).splitlines()[0]} "
+          "Prepare it offline as ArrayRecord, e.g. `tfds build c4/en "
+          "--file_format=array_record --data_dir=DIR`.") from e
     _text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
     return grain.MapDataset.source(source).map(
         lambda record: _text_of(record, cfg.text_key, cfg.path))

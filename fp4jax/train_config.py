@@ -28,6 +28,8 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   log_every                   metrics.jsonl / progress line interval
   nan_steps                   test hook: steps (from 1) whose loss is made NaN
   mesh, distributed           fp4jax.sharding.mesh_config(), distributed_config()
+  init_from                   "" or the parameters to start from: a Hugging Face
+                              Llama directory or an fp4jax run (fp4jax.init_from)
 """
 
 import dataclasses
@@ -116,6 +118,7 @@ def base_config():
       nan_steps=(),            # test hook: steps whose loss is made NaN
       mesh=sharding.mesh_config(),
       distributed=sharding.distributed_config(),
+      init_from="",            # HF Llama dir or fp4jax run; "" = random init
   ))
 
 

@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 
 from fp4jax import data
+from fp4jax import init_from
 from fp4jax import model as model_lib
 from fp4jax import sharding
 from fp4jax import train_step
@@ -233,6 +234,7 @@ def train(config, workdir, callbacks=()):
   t_start = time.time()
   sharding.initialize_distributed(config.distributed)
   model_cfg, recipe, mesh, batches, val_local = _start(config)
+  init_source = init_from.open_source(config.init_from, model_cfg)
   micro_batch = _micro_batch(config)
   main = sharding.is_main_process()
   os.makedirs(workdir, exist_ok=True)
@@ -249,6 +251,8 @@ def train(config, workdir, callbacks=()):
   restored = ckpts.restore_latest(abstract)
   if restored is None:
     state = programs.init(programs.params_key)
+    if init_source is not None:
+      state = state.replace(params=init_source.load(abstract.params))
   else:
     _, state, data_state = restored
     _restore_data_state(batches, data_state)

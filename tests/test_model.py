@@ -153,10 +153,15 @@ def test_causal(recipe):
 
 
 def _numpy_llama(p, toks, cfg):
-  """Llama 3.1 forward written directly in NumPy (float64), from the paper's equations."""
+  """Llama 3.1 forward written directly in NumPy (float64), from the paper's equations.
+
+  cfg: any object with the LlamaConfig size, rope and norm_eps attributes.
+  """
   p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), p)
-  rms = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-5) * w
-  freq = _reference_llama3_freqs(cfg.head_dim, 500000.0, 8.0, 1.0, 4.0, 8192)
+  rms = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
+  freq = _reference_llama3_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_factor,
+                                 cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                 cfg.rope_original_context)
   rot = np.exp(1j * np.arange(toks.shape[1])[:, None] * freq)[None, :, None, :]
 
   def rope(x):

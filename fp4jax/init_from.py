@@ -1,0 +1,70 @@
+"""`config.init_from`: start a run from a Hugging Face Llama or an fp4jax run.
+
+init_from is a directory, one of
+  a Hugging Face Llama: config.json and model.safetensors (or shards listed
+    in model.safetensors.index.json), e.g. a published Llama 3.1 or the
+    output of `python -m fp4jax.convert export`;
+  an fp4jax run directory (its newest checkpoint is read) or one of its
+    checkpoints/<step> directories.
+Only the parameters are taken; optimizer state, step and data position
+start fresh. A workdir that already holds a checkpoint resumes from it
+instead. The config's model must have the checkpoint's sizes: `open_source`
+checks config.json and the tensor headers at start-up and names the first
+field or tensor that differs. Loading is sharded: each process reads only the
+blocks its devices hold, so an 8B checkpoint lands on an FSDP mesh without a
+full host copy per process.
+"""
+
+import os
+
+from fp4jax import checkpointing
+from fp4jax import convert
+from fp4jax import hf_llama
+from fp4jax.train_config import ConfigError
+
+
+class _RunCheckpoint:
+  """The parameters of one checkpoint of an fp4jax run."""
+
+  def __init__(self, path, cfg):
+    run_dir, step = path, None
+    parent = os.path.dirname(os.path.normpath(path))
+    if (os.path.basename(os.path.normpath(path)).isdigit()
+        and os.path.basename(parent) == "checkpoints"):
+      run_dir, step = os.path.dirname(parent), int(os.path.basename(
+          os.path.normpath(path)))
+    _, theirs = convert.run_config(run_dir)
+    where = os.path.join(run_dir, "config.json")
+    hf_llama.check_model_fields(
+        cfg, {k: getattr(theirs, k) for k in hf_llama.MODEL_FIELDS}, where)
+    if theirs.scan_layers != cfg.scan_layers:
+      raise hf_llama.ConvertError(
+          f"{where}: model.scan_layers is {cfg.scan_layers} in this config "
+          f"but {theirs.scan_layers} in the checkpoint; set "
+          f"--config.model.scan_layers={theirs.scan_layers}")
+    self.directory = os.path.join(run_dir, "checkpoints")
+    self.step = convert.run_step(run_dir, step)
+
+  def load(self, abstract_params):
+    return checkpointing.restore_params(self.directory, self.step,
+                                        abstract_params)
+
+
+def open_source(path, cfg):
+  """The checkpoint `path` checked against LlamaConfig `cfg`, or None for "".
+
+  Returns an object whose `load(abstract_params)` gives the parameters as
+  jax.Arrays with the shardings of `abstract_params` (ShapeDtypeStructs).
+  Raises ConfigError (one line) when the checkpoint does not fit.
+  """
+  if not path:
+    return None
+  try:
+    if not os.path.isdir(path):
+      raise hf_llama.ConvertError(f"{path!r} is not a directory")
+    is_run = (os.path.isdir(os.path.join(path, "checkpoints"))
+              or os.path.isdir(os.path.join(path, "state")))
+    return _RunCheckpoint(path, cfg) if is_run else hf_llama.HfCheckpoint(
+        path, cfg)
+  except hf_llama.ConvertError as e:
+    raise ConfigError(f"bad config: config.init_from: {e}") from e
