@@ -37,7 +37,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import formats, hadamard
+from fp4jax import blocks2d, formats, hadamard
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 
@@ -48,7 +48,9 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
   quantization as one fused kernel (fp4jax.kernels) where it supports the spec,
   and the XLA path otherwise; both give the same bits. rotation None: no rotation; else x
   is zero-padded along `axis` to a multiple of rotation.block and rotated with
-  `signs` (None or a +-1 vector). spec None: no quantization. Returns x's dtype;
+  `signs` (None or a +-1 vector). spec None: no quantization; spec.block_2d:
+  square tiles over (axis, the other axes flattened), see fp4jax.blocks2d,
+  which keeps a weight's Fprop and Dgrad quantizations equal. Returns x's dtype;
   shape = x.shape, with `axis` padded when rotated.
   """
   if rotation is not None:
@@ -56,14 +58,15 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
     if pad:
       x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
   block = None if rotation is None else rotation.block
-  if backend == "pallas" and spec is not None:
+  if backend == "pallas" and spec is not None and spec.is_1d:
     from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
     if kernel_quantize.unsupported(spec, block) is None:
       return kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
   if rotation is not None:
     x = hadamard.rotate(x, block, axis, signs)
   if spec is not None:
-    x = formats.fake_quantize(x, spec, axis, key)
+    fake_quantize = formats.fake_quantize if spec.is_1d else blocks2d.fake_quantize_2d
+    x = fake_quantize(x, spec, axis, key)
   return x
 
 

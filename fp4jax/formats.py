@@ -69,12 +69,16 @@ class QuantSpec:
 
   fmt: one of FORMATS. block_size: elements per scale (None: 32 for MX, 16 for
   NVFP4, whole tensor for FP8). scale_mode: E8M0 rule, MX only (one of
-  SCALE_MODES). rounding: one of ROUNDINGS.
+  SCALE_MODES). rounding: one of ROUNDINGS. block_2d: blocks are square
+  tiles of block x block elements over the quantized axis and all other axes
+  flattened (fp4jax.blocks2d), so a matrix and its transpose quantize alike;
+  blocked formats only.
   """
   fmt: str
   block_size: int | None = None
   scale_mode: str = "floor"
   rounding: str = "nearest"
+  block_2d: bool = False
 
   def __post_init__(self):
     _check_name("format", self.fmt, FORMATS)
@@ -90,6 +94,11 @@ class QuantSpec:
     if self.family != "mx" and self.scale_mode != "floor":
       raise ValueError(f"scale_mode={self.scale_mode!r} applies to MX formats "
                        f"(E8M0 scales) only; {self.fmt} scales are not E8M0")
+    if not isinstance(self.block_2d, bool):
+      raise TypeError(f"block_2d must be a bool, got {self.block_2d!r}")
+    if self.block_2d and self.block is None:
+      raise ValueError(f"block_2d=True needs a blocked format; {self.fmt} has "
+                       "one scale per tensor")
 
   @property
   def family(self) -> str:
@@ -109,6 +118,11 @@ class QuantSpec:
   @property
   def is_random(self) -> bool:
     return self.rounding != "nearest"
+
+  @property
+  def is_1d(self) -> bool:
+    """True for the plain 1D-block quantizer (what fp4jax.kernels support)."""
+    return not self.block_2d
 
   @property
   def element_dtype(self):

@@ -124,6 +124,7 @@ class Recipe:
           node.block_size = spec.block_size
           node.scale_mode = spec.scale_mode
           node.rounding = spec.rounding
+          node.block_2d = spec.block_2d
       h, node = gemm.hadamard, cfg[role].hadamard
       node.block = 0 if h is None else h.block
       if h is not None:
@@ -198,12 +199,13 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding} and hadamard.{block, signs, seed}; plus compute_dtype and backend.
+  rounding, block_2d} and hadamard.{block, signs, seed}; plus compute_dtype and backend.
   """
   def operand():
     return ml_collections.ConfigDict(dict(
         fmt=config_dict.placeholder(str), block_size=config_dict.placeholder(int),
-        scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str)))
+        scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str),
+        block_2d=config_dict.placeholder(bool)))
 
   def gemm():
     return ml_collections.ConfigDict(dict(
