@@ -1,7 +1,7 @@
 """The quantized dot_general: a drop-in for jax.lax.dot_general.
 
 `dot_general(recipe)` returns a function with lax.dot_general's signature plus
-`key`. Forward and backward are a jax.custom_vjp whose residuals are the two
+`key` and `layer_key`. Forward and backward are a jax.custom_vjp whose residuals are the two
 original (high-precision) operands; each of the three GEMMs (recipes.py)
 rotates and fake-quantizes its operands along *its own* contraction axes, casts
 them to `recipe.compute_dtype` and multiplies with float32 accumulation. A GEMM
@@ -25,8 +25,11 @@ unchanged); quantization blocks that do not divide the axis are padded
 inside `fake_quantize`.
 
 Randomness: role r in (fprop, dgrad, wgrad) uses fold_in(key, r); within it
-operand i in (lhs, rhs) quantizes with fold_in(role_key, i) and random
+operand i in (lhs, rhs) quantizes with fold_in(role_key, i) and per-step
 Hadamard signs come from fold_in(role_key, 2), shared by both operands.
+Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
+layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
+the "hadamard" rng stream).
 """
 
 import functools
@@ -70,13 +73,15 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
   return x
 
 
-def rotation_signs(rotation: Hadamard | None, key):
-  """The +-1 vector a rotation uses on this call, or None."""
-  if rotation is None or rotation.signs == "none":
+def rotation_signs(rotation: Hadamard | None, key, layer_key=None):
+  """The +-1 vector a rotation uses on this call, or None.
+
+  key: fold_in(role_key, 2) (per-step signs); layer_key: fold_in(layer_key, r)
+  of role r (per-layer signs); see the module docstring.
+  """
+  if rotation is None:
     return None
-  if rotation.signs == "fixed":
-    return hadamard.random_signs(jax.random.key(rotation.seed), rotation.block)
-  return hadamard.random_signs(key, rotation.block)
+  return hadamard.policy_signs(rotation.signs, rotation.block, rotation.seed, key, layer_key)
 
 
 def _flatten(x, axes, last=False):
@@ -99,7 +104,8 @@ def _flatten(x, axes, last=False):
   return x.reshape(x.shape[:len(rest)] + (n,)), len(rest), {d: i for i, d in enumerate(rest)}
 
 
-def _gemm(a, b, dims, gemm: Gemm, key, recipe: Recipe, precision, out_dtype, out_sharding=None):
+def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out_dtype,
+          out_sharding=None):
   """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says."""
   if gemm.is_plain:
     return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
@@ -107,7 +113,7 @@ def _gemm(a, b, dims, gemm: Gemm, key, recipe: Recipe, precision, out_dtype, out
   a, ia, wa = _flatten(a, ca, last=True)
   b, ib, wb = _flatten(b, cb)
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
-  signs = rotation_signs(gemm.hadamard, keys[2])
+  signs = rotation_signs(gemm.hadamard, keys[2], layer_key)
   backend = recipe.backend
   if backend == "auto":
     backend = "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -158,20 +164,23 @@ class _Static(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qdot(s: _Static, lhs, rhs, key):
-  return _fwd(s, lhs, rhs, key)[0]
+def _qdot(s: _Static, lhs, rhs, key, layer_key):
+  return _fwd(s, lhs, rhs, key, layer_key)[0]
 
 
-def _fwd(s, lhs, rhs, key):
-  fkey = None if key is None else jax.random.fold_in(key, 0)
-  y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, fkey, s.recipe, s.precision, s.out_dtype,
-            s.out_sharding)
-  return y, (lhs, rhs, key)
+def _role_key(key, role):
+  return None if key is None else jax.random.fold_in(key, role)
+
+
+def _fwd(s, lhs, rhs, key, layer_key):
+  y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, _role_key(key, 0), _role_key(layer_key, 0),
+            s.recipe, s.precision, s.out_dtype, s.out_sharding)
+  return y, (lhs, rhs, key, layer_key)
 
 
 def _bwd(s, res, dy):
   """Dgrad dX = dY . W over W's free dims; Wgrad dW = X . dY over X's free dims."""
-  lhs, rhs, key = res
+  lhs, rhs, key, layer_key = res
   (lc, rc), (lb, rb) = s.dims
   lf = [d for d in range(lhs.ndim) if d not in lc + lb]
   rf = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -179,17 +188,15 @@ def _bwd(s, res, dy):
   y_b = tuple(range(nb))
   y_lf = tuple(range(nb, nb + len(lf)))
   y_rf = tuple(range(nb + len(lf), dy.ndim))
-  dkey, wkey = (None, None) if key is None else (jax.random.fold_in(key, 1),
-                                                jax.random.fold_in(key, 2))
-  dx = _gemm(dy, rhs, ((y_rf, tuple(rf)), (y_b, rb)), s.recipe.dgrad, dkey, s.recipe,
-             s.precision, lhs.dtype)
+  dx = _gemm(dy, rhs, ((y_rf, tuple(rf)), (y_b, rb)), s.recipe.dgrad, _role_key(key, 1),
+             _role_key(layer_key, 1), s.recipe, s.precision, lhs.dtype)
   # dx axes: batch (lb), lhs free (lf), then rhs's remaining dims (rc, by rhs index).
   dx = _to_layout(dx, list(lb) + lf + [lc[rc.index(r)] for r in sorted(rc)])
-  dw = _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), s.recipe.wgrad, wkey, s.recipe,
-             s.precision, rhs.dtype)
+  dw = _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), s.recipe.wgrad, _role_key(key, 2),
+             _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
   # dw axes: batch (rb), lhs's remaining dims (lc, by lhs index), rhs free (rf).
   dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
-  return dx, dw, None
+  return dx, dw, None, None
 
 
 _qdot.defvjp(_fwd, _bwd)
@@ -199,9 +206,12 @@ def dot_general(recipe: Recipe):
   """The recipe's quantized drop-in for jax.lax.dot_general.
 
   Returns fn(lhs, rhs, dimension_numbers, precision=None,
-  preferred_element_type=None, out_sharding=None, key=None) -> array with
-  lax.dot_general's output shape and dtype. `key` (a PRNG key) is required
-  when recipe.is_random and ignored otherwise. A recipe that neither
+  preferred_element_type=None, out_sharding=None, key=None, layer_key=None)
+  -> array with lax.dot_general's output shape and dtype. `key` (a PRNG key,
+  fresh per call) is required when recipe.is_random and ignored otherwise;
+  `layer_key` (a PRNG key, the layer's own, the same every step) is required
+  when recipe.needs_layer_key (per-layer Hadamard signs) and ignored
+  otherwise. A recipe that neither
   quantizes nor rotates (e.g. "bf16") calls lax.dot_general with the caller's
   arguments (no custom_vjp: bitwise lax.dot_general, gradients included).
   """
@@ -212,17 +222,21 @@ def dot_general(recipe: Recipe):
     return _plain
 
   def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-         out_sharding=None, key=None):
+         out_sharding=None, key=None, layer_key=None):
     if recipe.is_random and key is None:
-      raise ValueError(f"recipe {recipe.name!r} is random (stochastic rounding or random "
+      raise ValueError(f"recipe {recipe.name!r} is random (stochastic rounding or per-step "
                        "Hadamard signs) and needs key=")
+    if recipe.needs_layer_key and layer_key is None:
+      raise ValueError(f"recipe {recipe.name!r} uses per-layer Hadamard signs and needs "
+                       "layer_key= (the layer's key, the same every step)")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
             (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     s = _Static(recipe, dims, precision, out_dtype, out_sharding)
-    return _qdot(s, lhs, rhs, key if recipe.is_random else None)
+    return _qdot(s, lhs, rhs, key if recipe.is_random else None,
+                 layer_key if recipe.needs_layer_key else None)
 
   return fn
 
@@ -236,8 +250,8 @@ def _axes(dims, x, name):
 
 
 def _plain(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-           out_sharding=None, key=None):
-  """lax.dot_general with the caller's arguments; `key` is accepted and unused."""
-  del key
+           out_sharding=None, key=None, layer_key=None):
+  """lax.dot_general with the caller's arguments; `key`, `layer_key` are accepted and unused."""
+  del key, layer_key
   return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                          out_sharding=out_sharding)

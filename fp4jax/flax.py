@@ -2,12 +2,17 @@
 
 Linen: `nn.Dense(..., dot_general_cls=DotGeneral.partial(recipe=r))` (or
 `functools.partial(DotGeneral, recipe=r)`); the module draws its key from the
-rng stream "quant" only when the recipe is random. For deterministic recipes
-`nn.Dense(..., dot_general=fp4jax.dot_general(r))` works as well.
+rng stream "quant" only when the recipe is random, and its layer key from the
+stream "hadamard" only when the recipe has per-layer Hadamard signs. Pass the
+"hadamard" stream the same key on every step (one derived from the run's seed):
+make_rng folds in the module's path, so each layer gets its own signs, fixed
+for the run (under nn.scan, add "hadamard" to split_rngs). For deterministic
+recipes `nn.Dense(..., dot_general=fp4jax.dot_general(r))` works as well.
 
 NNX: `nnx.Linear(din, dout, dot_general=fp4jax.dot_general(r), rngs=rngs)` for
 deterministic recipes; for random ones pass `NNXDotGeneral(r, rngs)`, which
-draws a fresh key from the `rngs.quant` stream on every call.
+draws a fresh key from the `rngs.quant` stream on every call and, for per-layer
+signs, its layer key from `rngs.hadamard` once, at construction.
 
 Einsum layers: `jnp.einsum(..., _dot_general=fp4jax.dot_general(r))`, e.g.
 `nnx.Einsum(..., einsum_op=einsum_op(r))`. Linen's nn.Einsum (flax 0.12.8)
@@ -29,7 +34,9 @@ class DotGeneral(nn.Module):
 
   capture=True sows `lhs` and `rhs` into "intermediates" and passes the output
   through `self.perturb("out", y)`, so the gradient with respect to the
-  "perturbations" collection is the layer's output gradient dY.
+  "perturbations" collection is the layer's output gradient dY. With per-layer
+  signs it also sows "layer_key" (the PRNG key this layer passes as
+  dot_general's `layer_key`).
   """
 
   recipe: Recipe
@@ -44,11 +51,20 @@ class DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
     key = self.make_rng("quant") if self.recipe.is_random else None
+    layer_key = None
+    if self.recipe.needs_layer_key:
+      if not self.has_rng("hadamard"):
+        raise ValueError(f"recipe {self.recipe.name!r} uses per-layer Hadamard signs: pass "
+                         "rngs={'hadamard': run_key} (the same key every step) to init/apply")
+      layer_key = self.make_rng("hadamard")
     if self.capture:
       self.sow("intermediates", "lhs", lhs)
       self.sow("intermediates", "rhs", rhs)
+      if layer_key is not None:
+        self.sow("intermediates", "layer_key", layer_key)
     y = dot.dot_general(self.recipe)(lhs, rhs, dimension_numbers, precision,
-                                     preferred_element_type, out_sharding=out_sharding, key=key)
+                                     preferred_element_type, out_sharding=out_sharding, key=key,
+                                     layer_key=layer_key)
     return self.perturb("out", y) if self.capture else y
 
 
@@ -58,15 +74,18 @@ class NNXDotGeneral(nnx.Module):
   def __init__(self, recipe: Recipe, rngs: nnx.Rngs):
     self.recipe = recipe
     self.rngs = rngs
+    self.layer_key = nnx.Variable(rngs.hadamard()) if recipe.needs_layer_key else None
 
   def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                preferred_element_type=None, out_sharding=None):
     key = self.rngs.quant() if self.recipe.is_random else None
+    layer_key = None if self.layer_key is None else self.layer_key[...]
     return dot.dot_general(self.recipe)(lhs, rhs, dimension_numbers, precision,
-                                        preferred_element_type, out_sharding=out_sharding, key=key)
+                                        preferred_element_type, out_sharding=out_sharding, key=key,
+                                        layer_key=layer_key)
 
 
-def einsum_op(recipe: Recipe, key=None):
+def einsum_op(recipe: Recipe, key=None, layer_key=None):
   """jnp.einsum with the recipe's dot_general (for nnx.Einsum's `einsum_op`)."""
   return functools.partial(jnp.einsum, _dot_general=functools.partial(
-      dot.dot_general(recipe), key=key))
+      dot.dot_general(recipe), key=key, layer_key=layer_key))

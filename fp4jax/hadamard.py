@@ -8,6 +8,12 @@ signs. Cost: one (block x block) matmul per block, i.e. `block` multiply-adds
 per element (16 for H16), in float32, returned in x's dtype. Along the last
 axis it is x[..., n/block, block] @ M; along any other axis a batched
 M^T @ x[p, block, rest] (M broadcast over the batch), so no axis moves.
+
+Sign policies (`policy_signs`), the meanings "random Hadamard" has in use:
+"none" (plain Sylvester), "fixed" (one vector from a seed, as NVIDIA
+TransformerEngine hard-codes), "per-layer" (one vector per layer, drawn from a
+key derived from the run's seed and the layer, fixed for the run, as torchao)
+and "per-step" (fresh from the call's key, as Quartet and Tseng et al.).
 """
 
 import jax
@@ -29,6 +35,36 @@ def hadamard_matrix(n: int, dtype=jnp.float32):
 def random_signs(key, block: int):
   """Random +-1 float32 vector [block] drawn from `key`."""
   return jax.random.rademacher(key, (block,), jnp.float32)
+
+
+SIGN_POLICIES = ("none", "fixed", "per-layer", "per-step")
+
+
+def check_sign_policy(policy) -> None:
+  """ValueError naming `policy` and the valid ones unless it is in SIGN_POLICIES."""
+  if policy not in SIGN_POLICIES:
+    hint = " ('random' is now 'per-step')" if policy == "random" else ""
+    raise ValueError(f"Hadamard sign policy {policy!r} is not one of "
+                     f"{', '.join(SIGN_POLICIES)}{hint}")
+
+
+def policy_signs(policy: str, block: int, seed: int = 0, key=None, layer_key=None):
+  """The +-1 float32 vector [block] of a sign policy, or None for "none".
+
+  "fixed": random_signs(jax.random.key(seed), block); "per-layer":
+  random_signs(layer_key, block); "per-step": random_signs(key, block).
+  A policy whose key is None raises ValueError.
+  """
+  check_sign_policy(policy)
+  if policy == "none":
+    return None
+  if policy == "fixed":
+    return random_signs(jax.random.key(seed), block)
+  source = layer_key if policy == "per-layer" else key
+  if source is None:
+    what = "layer_key" if policy == "per-layer" else "key"
+    raise ValueError(f"Hadamard sign policy {policy!r} needs a {what}, got None")
+  return random_signs(source, block)
 
 
 def _is_key(signs):

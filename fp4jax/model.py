@@ -386,7 +386,8 @@ class Llama(nn.Module):
   Parameter tree: embed/embedding, block_<i>/{attn_norm, attn/{q,k,v,o},
   mlp_norm, mlp/{gate,up,down}} (or blocks/... with a leading layers axis when
   scan_layers), final_norm/scale, head/kernel. Random recipes draw from the
-  "quant" rng stream.
+  "quant" rng stream, per-layer Hadamard signs from the "hadamard" stream (both
+  split across the layers under scan_layers).
   """
   config: LlamaConfig
   recipe: recipes.Recipe
@@ -408,7 +409,7 @@ class Llama(nn.Module):
       blocks = nn.scan(
           block_cls,
           variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
-          split_rngs={"params": True, "quant": True},
+          split_rngs={"params": True, "quant": True, "hadamard": True},
           length=cfg.n_layers,
           metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.recipe, name="blocks")
       x_BxLxD, _ = blocks(x_BxLxD, None)

@@ -16,7 +16,16 @@ Config: `config_template()` is an ml_collections ConfigDict with `name` (the
 preset) and typed placeholders for every field of every role (None keeps the
 preset), so `--config.quant.wgrad.hadamard.block=32` works from the command
 line. `fmt="none"` removes an operand's quantization, `hadamard.block=0` a
-role's rotation. `from_config(cfg) -> Recipe`, `Recipe.to_config()`.
+role's rotation. A top-level `scale_mode` sets the E8M0 rule of every MX
+operand of every role (per-operand `scale_mode`s still win), e.g.
+`--config.quant.scale_mode=floor`. `from_config(cfg) -> Recipe`,
+`Recipe.to_config()`.
+
+Scale rules: the staged presets (mxfp4-fprop ... mxfp4-dh32, mxfp4-wdh16,
+mxfp4-lh16, mxfp4-fh16) use AMD's `even` rule with round-to-nearest-even on
+every MX operand, as the MXFP4 kernel of AMD's ROCm TransformerEngine
+(`cast_transpose_mxfp4`) that arXiv 2605.09825 ran; `mxfp4-floor` and
+`mxfp4-dh16-floor` are their twins under the OCP MX v1.0 `floor` rule.
 """
 
 import dataclasses
@@ -24,11 +33,11 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fp4jax.formats import QuantSpec
+from fp4jax.formats import FORMATS, QuantSpec
+from fp4jax.hadamard import SIGN_POLICIES, check_sign_policy
 
 ROLES = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("lhs", "rhs")
-SIGN_POLICIES = ("none", "fixed", "random")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 BACKENDS = ("xla", "pallas", "auto")
 
@@ -37,10 +46,13 @@ BACKENDS = ("xla", "pallas", "auto")
 class Hadamard:
   """Block-diagonal Hadamard rotation of a GEMM's contraction axis.
 
-  signs: "none" (plain Sylvester, deterministic), "fixed" (one +-1 vector of
-  length `block` drawn from `seed`, the same on every call) or "random" (fresh
-  signs from the dot_general's key on every call). Both operands of the GEMM
-  share the matrix and the signs, so the product is unchanged up to round-off.
+  signs, one of SIGN_POLICIES: "none" (plain Sylvester, deterministic),
+  "fixed" (one +-1 vector of length `block` drawn from `seed`, the same on
+  every call and layer), "per-layer" (drawn from the dot_general's
+  `layer_key`: one per layer, the same every step) or "per-step" (fresh from
+  the dot_general's `key` on every call). `seed` is used by "fixed" only.
+  Both operands of the GEMM share the matrix and the signs, so the product is
+  unchanged up to round-off.
   """
 
   block: int = 16
@@ -51,8 +63,7 @@ class Hadamard:
     if (isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1
         or self.block & (self.block - 1)):
       raise ValueError(f"Hadamard block must be a power of two, got {self.block!r}")
-    if self.signs not in SIGN_POLICIES:
-      raise ValueError(f"Hadamard signs {self.signs!r} not in {SIGN_POLICIES}")
+    check_sign_policy(self.signs)
     if isinstance(self.seed, bool) or not isinstance(self.seed, int):
       raise ValueError(f"Hadamard seed must be an int, got {self.seed!r}")
 
@@ -72,9 +83,17 @@ class Gemm:
 
   @property
   def is_random(self) -> bool:
+    """True when the GEMM needs a fresh key per call (SR, per-step signs)."""
     specs = (s for s in (self.lhs, self.rhs) if s is not None)
-    return any(s.is_random for s in specs) or (
-        self.hadamard is not None and self.hadamard.signs == "random")
+    return any(s.is_random for s in specs) or self._signs_are("per-step")
+
+  @property
+  def needs_layer_key(self) -> bool:
+    """True when the rotation uses per-layer signs."""
+    return self._signs_are("per-layer")
+
+  def _signs_are(self, policy):
+    return self.hadamard is not None and self.hadamard.signs == policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +120,14 @@ class Recipe:
 
   @property
   def is_random(self) -> bool:
-    """True when some role needs a PRNG key (stochastic rounding, random signs)."""
+    """True when some role needs a fresh PRNG key per call (stochastic
+    rounding, per-step signs): dot_general's `key`."""
     return any(getattr(self, r).is_random for r in ROLES)
+
+  @property
+  def needs_layer_key(self) -> bool:
+    """True when some role uses per-layer signs: dot_general's `layer_key`."""
+    return any(getattr(self, r).needs_layer_key for r in ROLES)
 
   @property
   def is_plain(self) -> bool:
@@ -140,12 +165,15 @@ def _mx(fmt="mxfp4", scale_mode="floor", rounding="nearest"):
 
 _E4M3, _E5M2 = QuantSpec("fp8_e4m3"), QuantSpec("fp8_e5m2")
 _FP8 = dict(fprop=Gemm(_E4M3, _E4M3), dgrad=Gemm(_E5M2, _E4M3), wgrad=Gemm(_E4M3, _E5M2))
+_AMD = _mx(scale_mode="even")  # AMD's MXFP4 cast: even rule, round to nearest even
 
 
-def _mxfp4_all(scale_mode="floor", bwd_rounding="nearest", hadamard=None):
+def _mxfp4_all(scale_mode="even", bwd_rounding="nearest", hadamard=None,
+               wgrad_hadamard=None):
+  """All three GEMMs MXFP4; `hadamard` on every role, or `wgrad_hadamard` on Wgrad."""
   fwd, bwd = _mx(scale_mode=scale_mode), _mx(scale_mode=scale_mode, rounding=bwd_rounding)
   return dict(fprop=Gemm(fwd, fwd, hadamard), dgrad=Gemm(bwd, bwd, hadamard),
-              wgrad=Gemm(bwd, bwd, hadamard))
+              wgrad=Gemm(bwd, bwd, hadamard or wgrad_hadamard))
 
 
 def _presets():
@@ -154,21 +182,25 @@ def _presets():
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
   sr_dither = _mx(rounding="stochastic_dither")
   sr = _mx(rounding="stochastic")
-  tseng_h = Hadamard(64, "random")
-  quartet_bwd_h = Hadamard(32, "random")
+  tseng_h = Hadamard(64, "per-step")
+  quartet_bwd_h = Hadamard(32, "per-step")
   return {
       "bf16": dict(),
       "fp8": _FP8,
       "mxfp8": dict(fprop=Gemm(mxfp8, mxfp8), dgrad=Gemm(mxfp8, mxfp8),
                     wgrad=Gemm(mxfp8, mxfp8)),
-      "mxfp4-fprop": dict(_FP8, fprop=Gemm(mxfp4, mxfp4)),
-      "mxfp4-fprop-dgrad": dict(_FP8, fprop=Gemm(mxfp4, mxfp4), dgrad=Gemm(mxfp4, mxfp4)),
+      "mxfp4-fprop": dict(_FP8, fprop=Gemm(_AMD, _AMD)),
+      "mxfp4-fprop-dgrad": dict(_FP8, fprop=Gemm(_AMD, _AMD), dgrad=Gemm(_AMD, _AMD)),
       "mxfp4": _mxfp4_all(),
       "mxfp4-sr": _mxfp4_all(bwd_rounding="stochastic"),
-      "mxfp4-rh16": _mxfp4_all(hadamard=Hadamard(16, "random")),
+      "mxfp4-rh16": _mxfp4_all(hadamard=Hadamard(16, "per-step")),
       "mxfp4-dh16": _mxfp4_all(hadamard=Hadamard(16)),
-      "mxfp4-dh16-even": _mxfp4_all(scale_mode="even", hadamard=Hadamard(16)),
       "mxfp4-dh32": _mxfp4_all(hadamard=Hadamard(32)),
+      "mxfp4-wdh16": _mxfp4_all(wgrad_hadamard=Hadamard(16)),
+      "mxfp4-lh16": _mxfp4_all(hadamard=Hadamard(16, "per-layer")),
+      "mxfp4-fh16": _mxfp4_all(hadamard=Hadamard(16, "fixed")),
+      "mxfp4-floor": _mxfp4_all(scale_mode="floor"),
+      "mxfp4-dh16-floor": _mxfp4_all(scale_mode="floor", hadamard=Hadamard(16)),
       "tseng": dict(dgrad=Gemm(sr_dither, sr_dither, tseng_h),
                     wgrad=Gemm(sr_dither, sr_dither, tseng_h)),
       "quartet": dict(fprop=Gemm(mxfp4, mxfp4, Hadamard(32)),
@@ -199,7 +231,9 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding, block_2d} and hadamard.{block, signs, seed}; plus compute_dtype and backend.
+  rounding, block_2d} and hadamard.{block, signs, seed}; plus compute_dtype,
+  backend and scale_mode (the rule of every MX operand without its own
+  scale_mode).
   """
   def operand():
     return ml_collections.ConfigDict(dict(
@@ -216,15 +250,25 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   return ml_collections.ConfigDict(dict(
       name=name, compute_dtype=config_dict.placeholder(str),
-      backend=config_dict.placeholder(str), fprop=gemm(), dgrad=gemm(), wgrad=gemm()))
+      backend=config_dict.placeholder(str), scale_mode=config_dict.placeholder(str),
+      fprop=gemm(), dgrad=gemm(), wgrad=gemm()))
 
 
 def _given(node) -> dict:
   return {k: v for k, v in node.items() if v is not None}
 
 
-def _override_spec(spec, node, where):
-  fields = _given(node)
+def _override_spec(spec, node, where, scale_mode=None):
+  """spec with node's fields; scale_mode (recipe-wide) applies to MX results
+  whose node gives none."""
+  spec = _override_fields(spec, _given(node), where)
+  if scale_mode is not None and spec is not None and spec.family == "mx" and (
+      node.scale_mode is None):
+    spec = dataclasses.replace(spec, scale_mode=scale_mode)
+  return spec
+
+
+def _override_fields(spec, fields, where):
   if fields.get("fmt") == "none" or (spec is None and not fields):
     return None
   if spec is None:
@@ -250,19 +294,43 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
   """Recipe from `config_template()`: the preset `cfg.name` with the given overrides.
 
   The name of an overridden recipe records the changes, e.g.
-  "mxfp4-dh16[wgrad.hadamard.block=32]"; such a name is accepted back.
+  "mxfp4-dh16[wgrad.hadamard.block=32]" or "mxfp4[scale_mode=floor]" (when
+  every MX operand moved to one rule); such a name is accepted back.
+  A recipe-wide scale_mode on a recipe without MX operands raises ValueError.
   """
   base = recipe(_base_name(cfg.name))
+  scale_mode = cfg.get("scale_mode")
   roles = {}
   for role in ROLES:
     gemm = getattr(base, role)
     roles[role] = Gemm(
-        *(_override_spec(getattr(gemm, op), cfg[role][op], f"{role}.{op}") for op in OPERANDS),
+        *(_override_spec(getattr(gemm, op), cfg[role][op], f"{role}.{op}", scale_mode)
+          for op in OPERANDS),
         _override_hadamard(gemm.hadamard, cfg[role].hadamard))
   out = Recipe(base.name, **roles, **_given(
       dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend)))
-  changes = _diff(base.to_config(), out.to_config())
+  if scale_mode is not None and not _mx_specs(out):
+    raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
+                     f"recipe {cfg.name!r} has none (formats: MX ones are "
+                     f"{', '.join(f for f in FORMATS if f.startswith('mx'))})")
+  changes = _name_changes(_diff(base.to_config(), out.to_config()), out)
   return dataclasses.replace(out, name=f"{base.name}[{','.join(changes)}]") if changes else out
+
+
+def _mx_specs(r: Recipe) -> list:
+  """The MX QuantSpecs of r's operands, role by role."""
+  specs = (getattr(getattr(r, role), op) for role in ROLES for op in OPERANDS)
+  return [s for s in specs if s is not None and s.family == "mx"]
+
+
+def _name_changes(changes, out):
+  """changes, with the scale_mode entries as one `scale_mode=X` when every MX
+  operand of `out` has rule X (a recipe-wide change)."""
+  modes = {s.scale_mode for s in _mx_specs(out)}
+  moved = [c for c in changes if c.split("=", 1)[0].endswith(".scale_mode")]
+  if not moved or len(modes) != 1:
+    return changes
+  return [c for c in changes if c not in moved] + [f"scale_mode={modes.pop()}"]
 
 
 def _diff(a, b, prefix=""):

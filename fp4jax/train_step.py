@@ -5,6 +5,10 @@ The step accumulates gradients over micro-batches (lax.scan), clips by global
 norm, applies AdamW with a warm-up + cosine schedule, and refuses a step whose
 loss or gradient is not finite: parameters and optimizer state stay as they
 were, and the step is counted in `skipped` and `bad_in_row`.
+
+Rng streams of the model: "quant" gets a fresh key per step (micro-batch,
+evaluation batch); "hadamard" (per-layer Hadamard signs) gets layer_key(seed_key)
+on every step and evaluation, so each layer's signs stay fixed for the run.
 """
 
 from typing import Any
@@ -51,19 +55,35 @@ def optimizer(config):
   return tx, schedule
 
 
+LAYER_KEY_DATA = 0xFFFFFFFF  # fold_in data of the run's layer key; no step number reaches it
+
+
+def layer_key(seed_key):
+  """The run's key of the "hadamard" rng stream: fold_in(seed_key, 2^32 - 1).
+
+  The same on every step, so per-layer Hadamard signs (drawn from it and the
+  layer's module path) stay fixed for the run.
+  """
+  return jax.random.fold_in(seed_key, LAYER_KEY_DATA)
+
+
 def init_state(model, tx, key, seq_len):
   """A fresh TrainState whose params keep their logical-partitioning boxes."""
   tokens_1xL = jnp.zeros((1, seq_len), jnp.int32)
-  params = model.init({"params": key, "quant": key}, tokens_1xL)["params"]
+  params = model.init({"params": key, "quant": key, "hadamard": key},
+                      tokens_1xL)["params"]
   zero = jnp.zeros((), jnp.int32)
   return TrainState(step=zero, params=params, opt_state=tx.init(params),
                     skipped=zero, bad_in_row=zero)
 
 
-def loss_fn(model, params, tokens_BxL1, key):
-  """Mean next-token cross-entropy of tokens[:, 1:] given tokens[:, :-1]."""
-  logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1],
-                             rngs={"quant": key})
+def loss_fn(model, params, tokens_BxL1, key, layer_key=None):
+  """Mean next-token cross-entropy of tokens[:, 1:] given tokens[:, :-1].
+
+  key feeds the "quant" rng stream, layer_key (when given) the "hadamard" one.
+  """
+  rngs = {"quant": key} if layer_key is None else {"quant": key, "hadamard": layer_key}
+  logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1], rngs=rngs)
   return optax.softmax_cross_entropy_with_integer_labels(
       logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
@@ -90,9 +110,10 @@ def make_train_step(model, tx, schedule, *, seed_key, n_micro,
   runs, and then not traced at all).
   """
   nan_steps = jnp.asarray(tuple(nan_steps), jnp.int32)
+  run_layer_key = layer_key(seed_key)
 
   def step_loss(params, tokens_BxL1, key, step):
-    loss = loss_fn(model, params, tokens_BxL1, key)
+    loss = loss_fn(model, params, tokens_BxL1, key, run_layer_key)
     if nan_steps.size:
       loss = loss * jnp.where(jnp.isin(step + 1, nan_steps), jnp.nan, 1.0)
     return loss
@@ -136,12 +157,14 @@ def make_train_step(model, tx, schedule, *, seed_key, n_micro,
   return step
 
 
-def make_eval_step(model, eval_key):
+def make_eval_step(model, eval_key, run_layer_key=None):
   """Returns eval_loss(params, tokens_BxL1, index) -> mean cross-entropy.
 
   Random recipes draw fold_in(eval_key, index): the same keys every eval.
+  run_layer_key: the training run's layer_key(seed_key), so that per-layer
+  Hadamard signs are the ones training uses (needed by such recipes only).
   """
   def eval_loss(params, tokens_BxL1, index):
     return loss_fn(model, params, tokens_BxL1,
-                   jax.random.fold_in(eval_key, index))
+                   jax.random.fold_in(eval_key, index), run_layer_key)
   return eval_loss

@@ -7,7 +7,9 @@ its closing summary. The config keys are listed in fp4jax.train_config
 Randomness: one seed. seed_key = jax.random.key(seed); the parameters come
 from split(seed_key)[0], evaluation of random recipes from split(seed_key)[1],
 step s of the recipe from fold_in(seed_key, s) (micro-batch i: fold_in of that
-with i), and the data order from `seed` through fp4jax.data. Nothing else is
+with i), per-layer Hadamard signs from train_step.layer_key(seed_key) (the
+same every step and evaluation), and the data order from `seed` through
+fp4jax.data. Nothing else is
 random, so a run (and a resumed run) is bitwise reproducible on CPU.
 
 Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
@@ -167,7 +169,7 @@ def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
       step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                    out_shardings=(state_shardings, replicated),
                    donate_argnums=0),
-      eval=jax.jit(train_step.make_eval_step(model, eval_key),
+      eval=jax.jit(train_step.make_eval_step(model, eval_key, train_step.layer_key(seed_key)),
                    in_shardings=(state_shardings.params, batch_sharding, None),
                    out_shardings=replicated),
       abstract=abstract, params_key=params_key)

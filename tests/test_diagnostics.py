@@ -159,7 +159,7 @@ def test_callback_on_fixed_weights():
   exactly (bias 1, step cosine 1), a random one does not. The recipe has
   both: plain MXFP4 in fprop, MXFP4 with fresh random Hadamard signs in dgrad
   and wgrad (cheaper to compile than stochastic rounding)."""
-  mx, rh = formats.QuantSpec("mxfp4"), recipes.Hadamard(16, "random")
+  mx, rh = formats.QuantSpec("mxfp4"), recipes.Hadamard(16, "per-step")
   model = _tiny_model(recipes.Recipe("test", fprop=recipes.Gemm(mx, mx),
                                      dgrad=recipes.Gemm(mx, mx, rh),
                                      wgrad=recipes.Gemm(mx, mx, rh)))

@@ -14,6 +14,7 @@ from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
 KEY = jax.random.key(7)
+LAYER_KEY = jax.random.key(11)
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -21,15 +22,15 @@ def _normal(seed, shape, dtype=jnp.float32):
 
 
 def _vjp_fn(dg, dims=DENSE):
-  """jit of (x, w, dy, key) -> (y, dx, dw): dg(x, w) and its vjp with dy."""
-  def f(x, w, dy, key):
-    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key), x, w)
+  """jit of (x, w, dy, key, layer_key) -> (y, dx, dw): dg(x, w) and its vjp with dy."""
+  def f(x, w, dy, key, layer_key=None):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key, layer_key=layer_key), x, w)
     return (y,) + vjp(dy)
   return jax.jit(f)
 
 
-def _vjp(dg, x, w, dy, dims=DENSE, key=KEY):
-  return _vjp_fn(dg, dims)(x, w, dy, key)
+def _vjp(dg, x, w, dy, dims=DENSE, key=KEY, layer_key=LAYER_KEY):
+  return _vjp_fn(dg, dims)(x, w, dy, key, layer_key)
 
 
 def _close(got, want):
@@ -50,19 +51,22 @@ def _q(a, spec, h, signs, axis, key, cdt):
   return a.astype(cdt)
 
 
-def _role_keys(gemm, key, role):
-  """fold_in(key, role) -> (lhs key, rhs key, signs) as documented in fp4jax.dot."""
+def _role_keys(gemm, key, layer_key, role):
+  """fold_in(key, role) -> (lhs key, rhs key, signs) as documented in fp4jax.dot
+  (per-layer signs from fold_in(layer_key, role))."""
   k = jax.random.fold_in(key, role)
   h = gemm.hadamard
   signs = None
   if h is not None and h.signs == "fixed":
     signs = hadamard.random_signs(jax.random.key(h.seed), h.block)
-  elif h is not None and h.signs == "random":
+  elif h is not None and h.signs == "per-step":
     signs = hadamard.random_signs(jax.random.fold_in(k, 2), h.block)
+  elif h is not None and h.signs == "per-layer":
+    signs = hadamard.random_signs(jax.random.fold_in(layer_key, role), h.block)
   return jax.random.fold_in(k, 0), jax.random.fold_in(k, 1), signs
 
 
-def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key):
+def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key, layer_key=LAYER_KEY):
   """(y, dx, dw) of a Dense layer by hand: fprop contracts K, dgrad N, wgrad M.
 
   As documented, each GEMM's lhs is quantized with its contraction axis last
@@ -78,7 +82,7 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key):
     # Documented: float32 compute where bf16 would round a float32 scale factor.
     exact = exact_in_bf16(g.lhs) and exact_in_bf16(g.rhs)
     cdt = jnp.dtype(r.compute_dtype if exact else jnp.float32)
-    ka, kb, signs = _role_keys(g, key, role_idx)
+    ka, kb, signs = _role_keys(g, key, layer_key, role_idx)
     qa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, cdt)
     qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
     return lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
@@ -101,6 +105,63 @@ def test_every_role_matches_the_hand_written_reference(name):
   _close(dx.reshape(64, 96), rdx)
   _close(dw, rdw)
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32,) * 3
+
+
+# The paper's stages and the study's contrasts, written out by hand (not from
+# fp4jax.recipes): AMD's MXFP4 cast is the even rule with nearest rounding.
+_EVEN, _FLOOR = formats.QuantSpec("mxfp4", scale_mode="even"), formats.QuantSpec("mxfp4")
+_EVEN_SR = formats.QuantSpec("mxfp4", scale_mode="even", rounding="stochastic")
+_FP8_DGRAD = Gemm(formats.QuantSpec("fp8_e5m2"), formats.QuantSpec("fp8_e4m3"))
+_FP8_WGRAD = Gemm(formats.QuantSpec("fp8_e4m3"), formats.QuantSpec("fp8_e5m2"))
+
+
+def _same(spec, h=None):
+  return dict(fprop=Gemm(spec, spec, h), dgrad=Gemm(spec, spec, h), wgrad=Gemm(spec, spec, h))
+
+
+HAND_WRITTEN = {
+    "mxfp4-fprop": dict(fprop=Gemm(_EVEN, _EVEN), dgrad=_FP8_DGRAD, wgrad=_FP8_WGRAD),
+    "mxfp4-fprop-dgrad": dict(fprop=Gemm(_EVEN, _EVEN), dgrad=Gemm(_EVEN, _EVEN),
+                              wgrad=_FP8_WGRAD),
+    "mxfp4": _same(_EVEN),
+    "mxfp4-sr": dict(fprop=Gemm(_EVEN, _EVEN), dgrad=Gemm(_EVEN_SR, _EVEN_SR),
+                     wgrad=Gemm(_EVEN_SR, _EVEN_SR)),
+    "mxfp4-rh16": _same(_EVEN, Hadamard(16, "per-step")),
+    "mxfp4-dh16": _same(_EVEN, Hadamard(16)),
+    "mxfp4-dh32": _same(_EVEN, Hadamard(32)),
+    "mxfp4-wdh16": dict(fprop=Gemm(_EVEN, _EVEN), dgrad=Gemm(_EVEN, _EVEN),
+                        wgrad=Gemm(_EVEN, _EVEN, Hadamard(16))),
+    "mxfp4-lh16": _same(_EVEN, Hadamard(16, "per-layer")),
+    "mxfp4-fh16": _same(_EVEN, Hadamard(16, "fixed")),
+    "mxfp4-floor": _same(_FLOOR),
+    "mxfp4-dh16-floor": _same(_FLOOR, Hadamard(16)),
+}
+
+
+def _with_rule(roles, rule):
+  """The hand-written roles with every MX operand's scale rule set to `rule`."""
+  def spec(s):
+    return dataclasses.replace(s, scale_mode=rule) if s.family == "mx" else s
+  return {role: Gemm(spec(g.lhs), spec(g.rhs), g.hadamard) for role, g in roles.items()}
+
+
+@pytest.mark.parametrize("name", list(HAND_WRITTEN))
+def test_staged_presets_match_their_hand_written_roles_and_rule(name):
+  """Heavy-tailed data (Student t, 2 dof), where floor and even give different bits:
+  the preset equals the hand-written recipe and not its other-rule twin."""
+  keys = jax.random.split(jax.random.key(5), 3)
+  x, w, dy = (jax.random.t(k, 2.0, s) for k, s in zip(keys, ((64, 96), (96, 48), (64, 48))))
+  got = _vjp(dot.dot_general(recipes.recipe(name)), x, w, dy, dims=(((1,), (0,)), ((), ())))
+  roles = HAND_WRITTEN[name]
+  rule = "floor" if name.endswith("-floor") else "even"
+  want = jax.jit(lambda *a: _reference(Recipe("hand", **roles), *a))(x, w, dy, KEY)
+  other = jax.jit(lambda *a: _reference(
+      Recipe("other", **_with_rule(roles, "even" if rule == "floor" else "floor")), *a))(
+          x, w, dy, KEY)
+  for role, u, v, t in zip(recipes.ROLES, got, want, other):
+    _close(u, v)
+    if roles[role].lhs.family == "mx":
+      assert not np.allclose(u, t, rtol=1e-3), (name, role)
 
 
 def test_reference_detects_a_wrong_axis():
@@ -140,7 +201,7 @@ def test_deterministic_recipes_are_bitwise_reproducible():
   """Two separate compilations, and a repeated call, give the same bits."""
   x, w, dy = _normal(0, (64, 64)), _normal(1, (64, 32)), _normal(2, (64, 32))
   dims = (((1,), (0,)), ((), ()))
-  for name in ("fp8", "mxfp4-dh16-even"):
+  for name in ("fp8", "mxfp4-dh16"):
     f = _vjp_fn(dot.dot_general(recipes.recipe(name)), dims)
     a, b = f(x, w, dy, None), f(x, w, dy, None)
     c = _vjp(dot.dot_general(recipes.recipe(name)), x, w, dy, dims=dims, key=None)
@@ -193,7 +254,7 @@ LAYOUTS = {  # name: (lhs shape, rhs shape, dimension numbers)
 
 
 @pytest.mark.parametrize("layout,signs", list(zip(
-    LAYOUTS, ["random", "fixed", "none", "fixed", "none", "fixed", "random"])))
+    LAYOUTS, ["per-step", "fixed", "none", "per-layer", "none", "fixed", "per-step"])))
 def test_rotation_without_quantization_leaves_the_product_unchanged(layout, signs):
   """y, dx and dw of a rotation-only recipe == lax.dot_general, in every layout."""
   ls, rs, dims = LAYOUTS[layout]

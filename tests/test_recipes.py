@@ -1,5 +1,7 @@
 """Recipes: presets, validation, ConfigDict round trips and command-line overrides."""
 
+import dataclasses
+
 from absl import flags
 import ml_collections
 from ml_collections import config_flags
@@ -10,8 +12,10 @@ from fp4jax.formats import QuantSpec
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 ISSUE_PRESETS = ("bf16", "fp8", "mxfp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4",
-                 "mxfp4-sr", "mxfp4-rh16", "mxfp4-dh16", "mxfp4-dh32", "mxfp4-dh16-even",
+                 "mxfp4-sr", "mxfp4-rh16", "mxfp4-dh16", "mxfp4-dh32", "mxfp4-wdh16",
+                 "mxfp4-lh16", "mxfp4-fh16", "mxfp4-floor", "mxfp4-dh16-floor",
                  "tseng", "quartet", "nvfp4")
+AMD = QuantSpec("mxfp4", scale_mode="even")  # AMD's cast: even rule, nearest rounding
 
 
 def test_every_issue_preset_exists():
@@ -29,31 +33,44 @@ def test_unknown_preset_lists_valid_names():
 
 
 def test_preset_contents():
-  mx = QuantSpec("mxfp4")
+  mx, even = QuantSpec("mxfp4"), AMD
   r = recipes.recipe("mxfp4-dh16")
+  assert r.fprop == r.dgrad == r.wgrad == Gemm(even, even, Hadamard(16, "none"))
+  r = recipes.recipe("mxfp4-dh16-floor")
   assert r.fprop == r.dgrad == r.wgrad == Gemm(mx, mx, Hadamard(16, "none"))
-  assert recipes.recipe("mxfp4-dh16-even").wgrad.lhs.scale_mode == "even"
-  assert recipes.recipe("mxfp4-dh32").dgrad.hadamard.block == 32
+  r = recipes.recipe("mxfp4-floor")
+  assert r.fprop == r.dgrad == r.wgrad == Gemm(mx, mx)
+  assert recipes.recipe("mxfp4").wgrad == Gemm(even, even)
+  assert recipes.recipe("mxfp4-dh32").dgrad == Gemm(even, even, Hadamard(32))
+  r = recipes.recipe("mxfp4-wdh16")
+  assert r.fprop == r.dgrad == Gemm(even, even) and r.wgrad == Gemm(even, even, Hadamard(16))
+  r = recipes.recipe("mxfp4-lh16")
+  assert r.fprop == r.dgrad == r.wgrad == Gemm(even, even, Hadamard(16, "per-layer"))
+  r = recipes.recipe("mxfp4-fh16")
+  assert r.fprop == r.dgrad == r.wgrad == Gemm(even, even, Hadamard(16, "fixed"))
   fp8 = recipes.recipe("fp8")
   # Operand order: fprop (x, w), dgrad (dy, w), wgrad (x, dy).
   assert (fp8.fprop.lhs.fmt, fp8.fprop.rhs.fmt) == ("fp8_e4m3", "fp8_e4m3")
   assert (fp8.dgrad.lhs.fmt, fp8.dgrad.rhs.fmt) == ("fp8_e5m2", "fp8_e4m3")
   assert (fp8.wgrad.lhs.fmt, fp8.wgrad.rhs.fmt) == ("fp8_e4m3", "fp8_e5m2")
+  assert recipes.recipe("mxfp4-fprop").fprop == Gemm(even, even)
   assert recipes.recipe("mxfp4-fprop").dgrad == fp8.dgrad
-  assert recipes.recipe("mxfp4-fprop-dgrad").dgrad == Gemm(mx, mx)
+  assert recipes.recipe("mxfp4-fprop-dgrad").dgrad == Gemm(even, even)
   assert recipes.recipe("mxfp4-fprop-dgrad").wgrad == fp8.wgrad
   assert recipes.recipe("mxfp8").wgrad.rhs == QuantSpec("mxfp8_e4m3", scale_mode="rceil")
   sr = recipes.recipe("mxfp4-sr")
-  assert sr.fprop == Gemm(mx, mx)
+  assert sr.fprop == Gemm(even, even)
   assert {s.rounding for g in (sr.dgrad, sr.wgrad) for s in (g.lhs, g.rhs)} == {"stochastic"}
-  assert recipes.recipe("mxfp4-rh16").wgrad.hadamard == Hadamard(16, "random")
+  assert {s.scale_mode for g in (sr.dgrad, sr.wgrad) for s in (g.lhs, g.rhs)} == {"even"}
+  r = recipes.recipe("mxfp4-rh16")
+  assert r.fprop == r.dgrad == r.wgrad == Gemm(even, even, Hadamard(16, "per-step"))
   tseng = recipes.recipe("tseng")
   assert tseng.fprop.is_plain
   assert tseng.wgrad.lhs.rounding == "stochastic_dither"
-  assert tseng.dgrad.hadamard == Hadamard(64, "random")
+  assert tseng.dgrad.hadamard == Hadamard(64, "per-step")
   quartet = recipes.recipe("quartet")
   assert quartet.fprop == Gemm(mx, mx, Hadamard(32, "none"))
-  assert quartet.wgrad.hadamard == Hadamard(32, "random")
+  assert quartet.wgrad.hadamard == Hadamard(32, "per-step")
   assert quartet.dgrad.rhs.rounding == "stochastic"
   nv = recipes.recipe("nvfp4")
   assert nv.fprop.hadamard is None and nv.dgrad.hadamard is None
@@ -62,10 +79,11 @@ def test_preset_contents():
   assert (nv.wgrad.lhs.rounding, nv.wgrad.rhs.rounding) == ("nearest", "stochastic")
 
 
-def test_is_random_and_is_plain():
+def test_is_random_needs_layer_key_and_is_plain():
   random = {"mxfp4-sr", "mxfp4-rh16", "tseng", "quartet", "nvfp4"}
   for name in recipes.recipe_names():
     assert recipes.recipe(name).is_random == (name in random), name
+    assert recipes.recipe(name).needs_layer_key == (name == "mxfp4-lh16"), name
     assert recipes.recipe(name).is_plain == (name == "bf16"), name
 
 
@@ -73,8 +91,13 @@ def test_validation():
   for bad in (12, 0, True, 16.0):
     with pytest.raises(ValueError, match="power of two"):
       Hadamard(bad)
-  with pytest.raises(ValueError, match="signs"):
+  with pytest.raises(ValueError, match="'sometimes' is not one of none, fixed, per-layer, "
+                     "per-step"):
     Hadamard(16, "sometimes")
+  with pytest.raises(ValueError, match="'random' is now 'per-step'"):
+    Hadamard(16, "random")
+  for policy in ("none", "fixed", "per-layer", "per-step"):
+    assert Hadamard(16, policy).signs == policy
   with pytest.raises(ValueError, match="seed"):
     Hadamard(16, "fixed", seed=1.5)
   with pytest.raises(ValueError, match="compute_dtype"):
@@ -97,8 +120,8 @@ def test_overrides_and_round_trip():
   cfg.fprop.rhs.fmt = "none"
   r = recipes.from_config(cfg)
   assert r.wgrad.hadamard == Hadamard(32) and r.fprop.hadamard == Hadamard(16)
-  assert r.dgrad.lhs.scale_mode == "rceil" and r.dgrad.rhs.scale_mode == "floor"
-  assert r.fprop.rhs is None and r.fprop.lhs == QuantSpec("mxfp4")
+  assert r.dgrad.lhs.scale_mode == "rceil" and r.dgrad.rhs.scale_mode == "even"
+  assert r.fprop.rhs is None and r.fprop.lhs == AMD
   assert r.name.startswith("mxfp4-dh16[") and "wgrad.hadamard.block=32" in r.name
   assert recipes.from_config(r.to_config()) == r
   cfg = recipes.config_template("mxfp4")
@@ -106,6 +129,40 @@ def test_overrides_and_round_trip():
   cfg.fprop.hadamard.signs = "fixed"
   r = recipes.from_config(cfg)
   assert r.fprop.hadamard == Hadamard(16, "fixed") and r.wgrad.hadamard is None
+
+
+def test_recipe_wide_scale_mode():
+  """quant.scale_mode sets every MX operand of every role; per-operand values win."""
+  cfg = recipes.config_template("mxfp4-dh16")
+  cfg.scale_mode = "floor"
+  r = recipes.from_config(cfg)
+  assert r.name == "mxfp4-dh16[scale_mode=floor]"
+  assert dataclasses.replace(r, name="mxfp4-dh16-floor") == recipes.recipe("mxfp4-dh16-floor")
+  assert recipes.from_config(r.to_config()) == r
+  assert recipes.from_config(recipes.config_template(r.name)) == recipes.recipe("mxfp4-dh16")
+  cfg.wgrad.rhs.scale_mode = "rceil"
+  r = recipes.from_config(cfg)
+  assert r.wgrad.rhs.scale_mode == "rceil" and r.wgrad.lhs.scale_mode == "floor"
+  assert {getattr(r, role).lhs.scale_mode for role in recipes.ROLES} == {"floor"}
+  assert "wgrad.rhs.scale_mode=rceil" in r.name and "fprop.lhs.scale_mode=floor" in r.name
+  assert recipes.from_config(r.to_config()) == r
+  # Only the MX operands move: fp8 operands keep theirs (a non-floor rule would raise).
+  cfg = recipes.config_template("mxfp4-fprop")
+  cfg.scale_mode = "floor"
+  r = recipes.from_config(cfg)
+  assert r.fprop == Gemm(QuantSpec("mxfp4"), QuantSpec("mxfp4"))
+  assert r.dgrad == recipes.recipe("fp8").dgrad and r.wgrad == recipes.recipe("fp8").wgrad
+  assert r.name == "mxfp4-fprop[scale_mode=floor]"
+  cfg = recipes.config_template("nvfp4")
+  cfg.scale_mode = "floor"
+  with pytest.raises(ValueError, match="scale_mode='floor'.*'nvfp4' has none"):
+    recipes.from_config(cfg)
+  cfg = recipes.config_template("mxfp4")
+  cfg.scale_mode = "round"
+  with pytest.raises(ValueError, match="scale_mode 'round'"):
+    recipes.from_config(cfg)
+  cfg.scale_mode = "even"  # already the preset's rule: nothing changes
+  assert recipes.from_config(cfg) == recipes.recipe("mxfp4")
 
 
 def test_override_of_unquantized_operand_needs_a_format():
@@ -133,5 +190,9 @@ def test_command_line_override():
   assert r.wgrad.hadamard.block == 32 and r.fprop.hadamard.block == 16
   assert r.dgrad.rhs.rounding == "stochastic" and r.is_random
   assert r.compute_dtype == "float32"
+  r = recipes.from_config(_parse(["prog", "--config.quant.name=mxfp4",
+                                  "--config.quant.scale_mode=floor"]))
+  assert r.name == "mxfp4[scale_mode=floor]"
+  assert dataclasses.replace(r, name="mxfp4-floor") == recipes.recipe("mxfp4-floor")
   with pytest.raises(flags.IllegalFlagValueError):
     _parse(["prog", "--config.quant.wgrad.hadamard.block=abc"])
