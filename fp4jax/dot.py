@@ -40,7 +40,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import blocks2d, formats, hadamard
+from fp4jax import formats, hadamard
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 
@@ -61,15 +61,14 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
     if pad:
       x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
   block = None if rotation is None else rotation.block
-  if backend == "pallas" and spec is not None and spec.is_1d:
+  if backend == "pallas" and spec is not None and spec.is_plain_blocks:
     from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
     if kernel_quantize.unsupported(spec, block) is None:
       return kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
   if rotation is not None:
     x = hadamard.rotate(x, block, axis, signs)
   if spec is not None:
-    fake_quantize = formats.fake_quantize if spec.is_1d else blocks2d.fake_quantize_2d
-    x = fake_quantize(x, spec, axis, key)
+    x = formats.fake_quantize(x, spec, axis, key)
   return x
 
 

@@ -120,8 +120,8 @@ class QuantSpec:
     return self.rounding != "nearest"
 
   @property
-  def is_1d(self) -> bool:
-    """True for the plain 1D-block quantizer (what fp4jax.kernels support)."""
+  def is_plain_blocks(self) -> bool:
+    """True for 1D blocks scaled from their amax (what fp4jax.kernels implement)."""
     return not self.block_2d
 
   @property
@@ -291,6 +291,9 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
   """
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
+  if spec.block_2d:
+    raise ValueError("quantize returns 1D blocks; quantize a block_2d spec with "
+                     "fp4jax.blocks2d.quantize_tiles")
   q, _, stored, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   if n is not None:
     q = _from_blocks(q, axis, n)
@@ -327,9 +330,13 @@ _fake_quantize_ste.defvjp(_ste_fwd, _ste_bwd)
 
 def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
   """quantize(x, spec, axis, key).dequantize(x.dtype), bit for bit, computed
-  in float32 without leaving x's layout; straight-through gradient."""
+  in float32 without leaving x's layout; straight-through gradient. A
+  block_2d spec quantizes square tiles (fp4jax.blocks2d.fake_quantize_2d)."""
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
+  if spec.block_2d:
+    from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
+    return blocks2d.fake_quantize_2d(x, spec, axis, key)
   return _fake_quantize_ste(x, spec, axis, key)
 
 

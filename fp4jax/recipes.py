@@ -180,6 +180,7 @@ def _presets():
   mxfp4 = _mx()
   mxfp8 = _mx("mxfp8_e4m3", scale_mode="rceil")
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
+  nv_w = QuantSpec("nvfp4", block_2d=True)  # 16x16 weight tiles: one W for Fprop and Dgrad
   sr_dither = _mx(rounding="stochastic_dither")
   sr = _mx(rounding="stochastic")
   tseng_h = Hadamard(64, "per-step")
@@ -205,7 +206,8 @@ def _presets():
                     wgrad=Gemm(sr_dither, sr_dither, tseng_h)),
       "quartet": dict(fprop=Gemm(mxfp4, mxfp4, Hadamard(32)),
                       dgrad=Gemm(sr, sr, quartet_bwd_h), wgrad=Gemm(sr, sr, quartet_bwd_h)),
-      "nvfp4": dict(fprop=Gemm(nv, nv), dgrad=Gemm(nv_sr, nv),
+      # NVIDIA, arXiv 2509.25149 (BF16 first/last blocks: LlamaConfig.bf16_layers).
+      "nvfp4": dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
                     wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed"))),
   }
 

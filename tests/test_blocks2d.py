@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import blocks2d, dot, formats, recipes
+from fp4jax import blocks2d, dot, formats, hadamard, recipes
 from tests import numpy_reference as ref
 
 F32 = np.float32
@@ -114,7 +114,7 @@ def test_fprop_and_dgrad_use_the_same_quantized_weight():
 
 
 def test_config_round_trip_and_errors():
-  spec = formats.QuantSpec("mxfp4", block_2d=True)
+  spec = formats.QuantSpec("mxfp4", scale_mode="even", block_2d=True)
   cfg = recipes.config_template("mxfp4")
   cfg.fprop.rhs.block_2d = True
   rec = recipes.from_config(cfg)
@@ -124,5 +124,47 @@ def test_config_round_trip_and_errors():
     formats.QuantSpec("fp8_e4m3", block_2d=True)
   with pytest.raises(TypeError, match="block_2d must be a bool"):
     formats.QuantSpec("mxfp4", block_2d=1)
+  with pytest.raises(ValueError, match="blocks2d.quantize_tiles"):
+    formats.quantize(jnp.zeros((4, 4)), spec)
   with pytest.raises(ValueError, match="takes a matrix"):
     blocks2d.quantize_tiles(jnp.zeros((2, 3, 4)), spec)
+
+
+def test_nvfp4_preset_against_reference_on_padded_heavy_tailed_shapes():
+  """NVIDIA's recipe (arXiv 2509.25149) by hand: X 1x16 nearest, W in 16x16 tiles
+  (the same numbers in Fprop and Dgrad), dY 1x16 with stochastic rounding, and
+  a fixed-sign H16 on both Wgrad operands along the M token axis."""
+  m, k, n = 40, 50, 37  # every axis pads: 16-blocks, 16x16 tiles, H16 on M
+  x, w, dy = (_student_t(s, seed=i) for i, s in enumerate([(m, k), (k, n), (m, n)]))
+  key = jax.random.key(5)
+  r = recipes.recipe("nvfp4")
+  fn = dot.dot_general(r)
+  y, vjp = jax.vjp(jax.jit(lambda a, b: fn(a, b, (((1,), (0,)), ((), ())), key=key)),
+                   jnp.asarray(x), jnp.asarray(w))
+  dx, dw = vjp(jnp.asarray(dy))
+
+  wq = reference_tiles(w, "nvfp4")
+  xq = ref.quantize(x, "nvfp4", axis=1)["y"]
+  role = lambda i: jax.random.fold_in(key, i)  # documented in fp4jax.dot
+  nb = -(-n // 16)
+  bits = np.asarray(jax.random.bits(jax.random.fold_in(role(1), 0), (m, nb, 16), jnp.uint32))
+  dyq = ref.quantize(dy, "nvfp4", rounding="stochastic", axis=1, bits=bits)["y"]
+  f64 = lambda a: np.asarray(a, np.float64)
+  _close64 = lambda got, want: np.testing.assert_allclose(
+      f64(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  _close64(y, f64(xq) @ f64(wq))
+  _close64(dx, f64(dyq) @ f64(wq).T)
+
+  # Wgrad: rotate X^T [K, M] and dY [M, N] along M (padded to 48) with the fixed signs.
+  mp = -(-m // 16) * 16
+  h = np.asarray(hadamard.hadamard_matrix(16), np.float64)
+  signs = np.asarray(hadamard.random_signs(jax.random.key(0), 16), np.float64)
+  rot = np.kron(np.eye(mp // 16), signs[:, None] * h)  # [Mp, Mp] block diagonal
+  xt = (np.pad(x.T, ((0, 0), (0, mp - m))) @ rot).astype(F32)
+  dyr = (rot.T @ np.pad(dy, ((0, mp - m), (0, 0)))).astype(F32)
+  xtq = ref.quantize(xt, "nvfp4", axis=1)["y"]
+  bits = np.asarray(jax.random.bits(jax.random.fold_in(role(2), 1), (mp // 16, 16, n),
+                                    jnp.uint32))
+  dyrq = ref.quantize(dyr, "nvfp4", rounding="stochastic", axis=0, bits=bits)["y"]
+  np.testing.assert_allclose(f64(dw), f64(xtq) @ f64(dyrq), rtol=1e-4,
+                             atol=1e-4 * np.abs(f64(xtq) @ f64(dyrq)).max())

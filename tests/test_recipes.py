@@ -77,6 +77,9 @@ def test_preset_contents():
   assert nv.wgrad.hadamard == Hadamard(16, "fixed")
   assert (nv.dgrad.lhs.rounding, nv.dgrad.rhs.rounding) == ("stochastic", "nearest")
   assert (nv.wgrad.lhs.rounding, nv.wgrad.rhs.rounding) == ("nearest", "stochastic")
+  assert nv.fprop.rhs == nv.dgrad.rhs == QuantSpec("nvfp4", block_2d=True)
+  assert not (nv.fprop.lhs.block_2d or nv.dgrad.lhs.block_2d or nv.wgrad.lhs.block_2d
+              or nv.wgrad.rhs.block_2d)
 
 
 def test_is_random_needs_layer_key_and_is_plain():
