@@ -195,7 +195,32 @@ def _bwd(s, res, dy):
              _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
   # dw axes: batch (rb), lhs's remaining dims (lc, by lhs index), rhs free (rf).
   dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
+  fprop = s.recipe.fprop
+  if fprop.lhs is not None and fprop.lhs.has_trust_mask:
+    dx = _trust_masked(dx, lhs, lc, True, fprop, fprop.lhs, key, layer_key)
+  if fprop.rhs is not None and fprop.rhs.has_trust_mask:
+    dw = _trust_masked(dw, rhs, rc, False, fprop, fprop.rhs, key, layer_key)
   return dx, dw, None, None
+
+
+def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
+  """QuEST's trust estimator (fp4jax.quest): grad (x's layout) with the
+  gradient of every element that Fprop's quantization of x clipped zeroed, in
+  the layout and rotation in which Fprop quantized x, i.e.
+  P^T(clip_mask(P x) * P grad) with P = flatten `axes` (`last` as in _gemm),
+  pad and rotate (orthonormal, so P^T undoes it)."""
+  fkey = _role_key(key, 0)
+  signs = rotation_signs(gemm.hadamard, None if fkey is None else jax.random.fold_in(fkey, 2),
+                         _role_key(layer_key, 0))
+  axis = _flatten(x, axes, last)[1]
+
+  def to_quantized_layout(t):
+    return quantize_operand(_flatten(t, axes, last)[0], None, gemm.hadamard, signs, axis,
+                            None, "xla")
+
+  xr, pull = jax.vjp(to_quantized_layout, x)
+  mask = formats.clip_mask(xr, spec, axis)
+  return pull(to_quantized_layout(grad) * mask.astype(grad.dtype))[0]
 
 
 _qdot.defvjp(_fwd, _bwd)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import quest
 from fp4jax import scales as scales_lib
 from fp4jax.elements import ELEMENTS, ElementFormat, round_element
 from fp4jax.scales import block_exponent  # public building block
@@ -55,6 +56,7 @@ _FORMATS = {
 FORMATS = tuple(_FORMATS)
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest", "stochastic", "stochastic_dither")
+BLOCK_SCALES = ("amax", "quest")
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # E2M1 max * E4M3 max
 
 
@@ -72,13 +74,17 @@ class QuantSpec:
   SCALE_MODES). rounding: one of ROUNDINGS. block_2d: blocks are square
   tiles of block x block elements over the quantized axis and all other axes
   flattened (fp4jax.blocks2d), so a matrix and its transpose quantize alike;
-  blocked formats only.
+  blocked formats only. block_scale, one of BLOCK_SCALES: "amax" (the scale
+  rule on the block maximum) or "quest" (mxfp4, nearest, floor only: the
+  scale from the block RMS with clipping, fp4jax.quest; dot_general then
+  zeroes the gradient of clipped Fprop elements).
   """
   fmt: str
   block_size: int | None = None
   scale_mode: str = "floor"
   rounding: str = "nearest"
   block_2d: bool = False
+  block_scale: str = "amax"
 
   def __post_init__(self):
     _check_name("format", self.fmt, FORMATS)
@@ -99,6 +105,12 @@ class QuantSpec:
     if self.block_2d and self.block is None:
       raise ValueError(f"block_2d=True needs a blocked format; {self.fmt} has "
                        "one scale per tensor")
+    _check_name("block_scale", self.block_scale, BLOCK_SCALES)
+    if self.block_scale == "quest" and (self.fmt, self.scale_mode, self.rounding) != (
+        "mxfp4", "floor", "nearest"):
+      raise ValueError(f"block_scale='quest' is QuEST's forward quantizer: fmt='mxfp4', "
+                       f"scale_mode='floor', rounding='nearest'; got fmt={self.fmt!r}, "
+                       f"scale_mode={self.scale_mode!r}, rounding={self.rounding!r}")
 
   @property
   def family(self) -> str:
@@ -122,7 +134,12 @@ class QuantSpec:
   @property
   def is_plain_blocks(self) -> bool:
     """True for 1D blocks scaled from their amax (what fp4jax.kernels implement)."""
-    return not self.block_2d
+    return not self.block_2d and self.block_scale == "amax"
+
+  @property
+  def has_trust_mask(self) -> bool:
+    """True when the gradient of clipped elements is zeroed (QuEST)."""
+    return self.block_scale == "quest"
 
   @property
   def element_dtype(self):
@@ -250,7 +267,8 @@ def _element_values(x, spec, axis, key):
   amax = block_amax(xb, red)
   g = None
   if spec.family == "mx":
-    e = block_exponent(amax, spec)
+    e = (quest.block_exponent(xb, red, spec) if spec.block_scale == "quest" else
+         block_exponent(amax, spec))
     s = scales_lib.exp2(e)
     inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
     v = xb * inv
@@ -338,6 +356,26 @@ def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
     from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
     return blocks2d.fake_quantize_2d(x, spec, axis, key)
   return _fake_quantize_ste(x, spec, axis, key)
+
+
+def clip_mask(x, spec: QuantSpec, axis: int = -1):
+  """bool, x.shape: True where quantize(x, spec, axis) leaves the element
+  unclipped, |x| <= element max * its block scale (* global scale); NaN is
+  False. Random roundings are judged by their nearest-rounding scales (the
+  same scales). 1D blocks only."""
+  x = jnp.asarray(x)
+  spec = dataclasses.replace(spec, rounding="nearest")
+  axis = _check_input(x, spec, axis, None)
+  if spec.block_2d:
+    raise ValueError("clip_mask takes 1D blocks; got a block_2d spec")
+  x32 = x.astype(jnp.float32)
+  _, s, _, g, n = _element_values(x32, spec, axis, None)
+  xb = x32 if n is None else _to_blocks(x32, axis, spec.block)[0]
+  limit = s * spec.element_max
+  if g is not None:
+    limit = limit * g
+  ok = jnp.abs(xb) <= limit
+  return ok if n is None else _from_blocks(ok, axis, n)
 
 
 def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):

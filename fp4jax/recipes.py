@@ -150,6 +150,7 @@ class Recipe:
           node.scale_mode = spec.scale_mode
           node.rounding = spec.rounding
           node.block_2d = spec.block_2d
+          node.block_scale = spec.block_scale
       h, node = gemm.hadamard, cfg[role].hadamard
       node.block = 0 if h is None else h.block
       if h is not None:
@@ -182,7 +183,7 @@ def _presets():
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
   nv_w = QuantSpec("nvfp4", block_2d=True)  # 16x16 weight tiles: one W for Fprop and Dgrad
   sr_dither = _mx(rounding="stochastic_dither")
-  sr = _mx(rounding="stochastic")
+  quest_fwd = QuantSpec("mxfp4", block_scale="quest")
   tseng_h = Hadamard(64, "per-step")
   quartet_bwd_h = Hadamard(32, "per-step")
   return {
@@ -204,8 +205,11 @@ def _presets():
       "mxfp4-dh16-floor": _mxfp4_all(scale_mode="floor", hadamard=Hadamard(16)),
       "tseng": dict(dgrad=Gemm(sr_dither, sr_dither, tseng_h),
                     wgrad=Gemm(sr_dither, sr_dither, tseng_h)),
-      "quartet": dict(fprop=Gemm(mxfp4, mxfp4, Hadamard(32)),
-                      dgrad=Gemm(sr, sr, quartet_bwd_h), wgrad=Gemm(sr, sr, quartet_bwd_h)),
+      # Quartet, arXiv 2505.14669: QuEST forward after H32; backward SR (blocks
+      # scaled by 3/4 first, as Tseng et al.) with signs drawn afresh each step.
+      "quartet": dict(fprop=Gemm(quest_fwd, quest_fwd, Hadamard(32)),
+                      dgrad=Gemm(sr_dither, sr_dither, quartet_bwd_h),
+                      wgrad=Gemm(sr_dither, sr_dither, quartet_bwd_h)),
       # NVIDIA, arXiv 2509.25149 (BF16 first/last blocks: LlamaConfig.bf16_layers).
       "nvfp4": dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
                     wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed"))),
@@ -233,7 +237,7 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding, block_2d} and hadamard.{block, signs, seed}; plus compute_dtype,
+  rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
   backend and scale_mode (the rule of every MX operand without its own
   scale_mode).
   """
@@ -241,7 +245,7 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         fmt=config_dict.placeholder(str), block_size=config_dict.placeholder(int),
         scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str),
-        block_2d=config_dict.placeholder(bool)))
+        block_2d=config_dict.placeholder(bool), block_scale=config_dict.placeholder(str)))
 
   def gemm():
     return ml_collections.ConfigDict(dict(

@@ -69,9 +69,10 @@ def test_preset_contents():
   assert tseng.wgrad.lhs.rounding == "stochastic_dither"
   assert tseng.dgrad.hadamard == Hadamard(64, "per-step")
   quartet = recipes.recipe("quartet")
-  assert quartet.fprop == Gemm(mx, mx, Hadamard(32, "none"))
+  quest = QuantSpec("mxfp4", block_scale="quest")
+  assert quartet.fprop == Gemm(quest, quest, Hadamard(32, "none"))
   assert quartet.wgrad.hadamard == Hadamard(32, "per-step")
-  assert quartet.dgrad.rhs.rounding == "stochastic"
+  assert quartet.dgrad.rhs.rounding == "stochastic_dither"
   nv = recipes.recipe("nvfp4")
   assert nv.fprop.hadamard is None and nv.dgrad.hadamard is None
   assert nv.wgrad.hadamard == Hadamard(16, "fixed")
