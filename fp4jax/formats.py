@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import quest
+from fp4jax import four_over_six, quest
 from fp4jax import scales as scales_lib
 from fp4jax.elements import ELEMENTS, ElementFormat, round_element
 from fp4jax.scales import block_exponent  # public building block
@@ -56,7 +56,7 @@ _FORMATS = {
 FORMATS = tuple(_FORMATS)
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest", "stochastic", "stochastic_dither")
-BLOCK_SCALES = ("amax", "quest")
+BLOCK_SCALES = ("amax", "quest", "four_over_six")
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # E2M1 max * E4M3 max
 
 
@@ -77,7 +77,9 @@ class QuantSpec:
   blocked formats only. block_scale, one of BLOCK_SCALES: "amax" (the scale
   rule on the block maximum) or "quest" (mxfp4, nearest, floor only: the
   scale from the block RMS with clipping, fp4jax.quest; dot_general then
-  zeroes the gradient of clipped Fprop elements).
+  zeroes the gradient of clipped Fprop elements) or "four_over_six" (nvfp4,
+  nearest or stochastic: each block scaled to a max of 6 or 4, whichever
+  errs less, fp4jax.four_over_six).
   """
   fmt: str
   block_size: int | None = None
@@ -111,6 +113,11 @@ class QuantSpec:
       raise ValueError(f"block_scale='quest' is QuEST's forward quantizer: fmt='mxfp4', "
                        f"scale_mode='floor', rounding='nearest'; got fmt={self.fmt!r}, "
                        f"scale_mode={self.scale_mode!r}, rounding={self.rounding!r}")
+    if self.block_scale == "four_over_six" and (
+        self.fmt != "nvfp4" or self.rounding == "stochastic_dither"):
+      raise ValueError(f"block_scale='four_over_six' needs fmt='nvfp4' and nearest or "
+                       f"stochastic rounding; got fmt={self.fmt!r}, "
+                       f"rounding={self.rounding!r}")
 
   @property
   def family(self) -> str:
@@ -266,6 +273,7 @@ def _element_values(x, spec, axis, key):
     red = axis + 1
   amax = block_amax(xb, red)
   g = None
+  four_six = spec.block_scale == "four_over_six"
   if spec.family == "mx":
     e = (quest.block_exponent(xb, red, spec) if spec.block_scale == "quest" else
          block_exponent(amax, spec))
@@ -276,12 +284,9 @@ def _element_values(x, spec, axis, key):
   elif spec.family == "nvfp4":
     finite = jnp.isfinite(amax)
     g_amax = jnp.max(jnp.where(finite, amax, 0.0))
-    g = g_amax * _recip(NVFP4_GLOBAL_DIVISOR)
+    g = g_amax * _recip(four_over_six.GLOBAL_DIVISOR if four_six else NVFP4_GLOBAL_DIVISOR)
     g = jnp.where(g > 0, g, 1.0)  # all-zero tensor, or underflow
-    s = round_element(amax * _recip(spec.element.max) / g, ELEMENTS["e4m3"])
-    s = jnp.where(finite, s, jnp.nan)
-    d = s * g
-    v = xb / jnp.where(d == 0, jnp.inf, d)
+    s, v = _nvfp4_scaled(xb, amax, finite, g, spec.element.max)
     stored = s.astype(jnp.float8_e4m3fn)
   else:  # fp8: float32 scale amax / max
     s = jnp.where(jnp.isfinite(amax), amax * _recip(spec.element.max), jnp.nan)
@@ -298,7 +303,22 @@ def _element_values(x, spec, axis, key):
     v = v * 0.75
     g = jnp.float32(4.0 / 3.0) * (1.0 if g is None else g)
   q = round_element(v, spec.element, bits)
+  if four_six:
+    s4, v4 = _nvfp4_scaled(xb, amax, finite, g, four_over_six.SMALL_PEAK)
+    q, s = four_over_six.select(xb, (q, s), (round_element(v4, spec.element, bits), s4), g,
+                                red)
+    stored = jnp.squeeze(s.astype(jnp.float8_e4m3fn), red)
   return q, s, stored, g, n
+
+
+def _nvfp4_scaled(xb, amax, finite, g, peak):
+  """(s, v): E4M3 block scales mapping each block's amax to `peak`, as float32
+  (NaN for non-finite blocks), and the blocks divided by s * g (0 where that
+  is 0)."""
+  s = round_element(amax * _recip(peak) / g, ELEMENTS["e4m3"])
+  s = jnp.where(finite, s, jnp.nan)
+  d = s * g
+  return s, xb / jnp.where(d == 0, jnp.inf, d)
 
 
 def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
