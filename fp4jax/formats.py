@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import four_over_six, quest
+from fp4jax import eden, four_over_six, quest
 from fp4jax import scales as scales_lib
 from fp4jax.elements import ELEMENTS, ElementFormat, round_element
 from fp4jax.scales import block_exponent  # public building block
@@ -56,7 +56,7 @@ _FORMATS = {
 FORMATS = tuple(_FORMATS)
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest", "stochastic", "stochastic_dither")
-BLOCK_SCALES = ("amax", "quest", "four_over_six")
+BLOCK_SCALES = ("amax", "quest", "four_over_six", "ms_eden")
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # E2M1 max * E4M3 max
 
 
@@ -79,7 +79,9 @@ class QuantSpec:
   scale from the block RMS with clipping, fp4jax.quest; dot_general then
   zeroes the gradient of clipped Fprop elements) or "four_over_six" (nvfp4,
   nearest or stochastic: each block scaled to a max of 6 or 4, whichever
-  errs less, fp4jax.four_over_six).
+  errs less, fp4jax.four_over_six) or "ms_eden" (nvfp4, rounding
+  "stochastic": elements round to nearest, the EDEN-corrected block scales
+  stochastically; fp4jax.eden).
   """
   fmt: str
   block_size: int | None = None
@@ -113,6 +115,10 @@ class QuantSpec:
       raise ValueError(f"block_scale='quest' is QuEST's forward quantizer: fmt='mxfp4', "
                        f"scale_mode='floor', rounding='nearest'; got fmt={self.fmt!r}, "
                        f"scale_mode={self.scale_mode!r}, rounding={self.rounding!r}")
+    if self.block_scale == "ms_eden" and (self.fmt, self.rounding) != ("nvfp4", "stochastic"):
+      raise ValueError(f"block_scale='ms_eden' needs fmt='nvfp4' and rounding='stochastic' "
+                       f"(its randomness is in the scales); got fmt={self.fmt!r}, "
+                       f"rounding={self.rounding!r}")
     if self.block_scale == "four_over_six" and (
         self.fmt != "nvfp4" or self.rounding == "stochastic_dither"):
       raise ValueError(f"block_scale='four_over_six' needs fmt='nvfp4' and nearest or "
@@ -284,9 +290,12 @@ def _element_values(x, spec, axis, key):
   elif spec.family == "nvfp4":
     finite = jnp.isfinite(amax)
     g_amax = jnp.max(jnp.where(finite, amax, 0.0))
-    g = g_amax * _recip(four_over_six.GLOBAL_DIVISOR if four_six else NVFP4_GLOBAL_DIVISOR)
+    divisor, peak = {"four_over_six": (four_over_six.GLOBAL_DIVISOR, spec.element.max),
+                     "ms_eden": (eden.GLOBAL_DIVISOR, eden.PEAK)}.get(
+                         spec.block_scale, (NVFP4_GLOBAL_DIVISOR, spec.element.max))
+    g = g_amax * _recip(divisor)
     g = jnp.where(g > 0, g, 1.0)  # all-zero tensor, or underflow
-    s, v = _nvfp4_scaled(xb, amax, finite, g, spec.element.max)
+    s, v = _nvfp4_scaled(xb, amax, finite, g, peak)
     stored = s.astype(jnp.float8_e4m3fn)
   else:  # fp8: float32 scale amax / max
     s = jnp.where(jnp.isfinite(amax), amax * _recip(spec.element.max), jnp.nan)
@@ -296,6 +305,11 @@ def _element_values(x, spec, axis, key):
     stored = jnp.squeeze(stored, red)
   else:
     stored = stored.reshape(())
+  if spec.block_scale == "ms_eden":
+    q = round_element(v, spec.element)
+    s = round_element(eden.corrected_scales(v, q, s, red), ELEMENTS["e4m3"],
+                      jax.random.bits(key, s.shape, jnp.uint32))
+    return q, s, jnp.squeeze(s.astype(jnp.float8_e4m3fn), red), g, n
   bits = None
   if spec.is_random:
     bits = jax.random.bits(key, v.shape, jnp.uint32)

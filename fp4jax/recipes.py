@@ -177,11 +177,19 @@ def _mxfp4_all(scale_mode="even", bwd_rounding="nearest", hadamard=None,
               wgrad=Gemm(bwd, bwd, hadamard or wgrad_hadamard))
 
 
+def _four_over_six(roles):
+  """roles with every operand's blocks scaled by Four over Six."""
+  return {r: Gemm(*(dataclasses.replace(s, block_scale="four_over_six") for s in (g.lhs, g.rhs)),
+                  g.hadamard) for r, g in roles.items()}
+
+
 def _presets():
   mxfp4 = _mx()
   mxfp8 = _mx("mxfp8_e4m3", scale_mode="rceil")
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
   nv_w = QuantSpec("nvfp4", block_2d=True)  # 16x16 weight tiles: one W for Fprop and Dgrad
+  nv46 = QuantSpec("nvfp4", block_scale="four_over_six")
+  eden = QuantSpec("nvfp4", rounding="stochastic", block_scale="ms_eden")
   sr_dither = _mx(rounding="stochastic_dither")
   quest_fwd = QuantSpec("mxfp4", block_scale="quest")
   tseng_h = Hadamard(64, "per-step")
@@ -213,6 +221,13 @@ def _presets():
       # NVIDIA, arXiv 2509.25149 (BF16 first/last blocks: LlamaConfig.bf16_layers).
       "nvfp4": dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
                     wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed"))),
+      # Four over Six, arXiv 2512.02010: the NVIDIA recipe, every block 6-or-4.
+      "nvfp4-4over6": _four_over_six(dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
+                                          wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed")))),
+      # Quartet II, arXiv 2601.22813: forward NVFP4 with Four over Six; backward
+      # MS-EDEN after a 128-point Hadamard with fresh signs every step.
+      "quartet2": dict(fprop=Gemm(nv46, nv46), dgrad=Gemm(eden, eden, Hadamard(128, "per-step")),
+                       wgrad=Gemm(eden, eden, Hadamard(128, "per-step"))),
   }
 
 
