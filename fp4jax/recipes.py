@@ -355,7 +355,13 @@ def _name_changes(changes, out):
 
 
 def _diff(a, b, prefix=""):
-  """Dotted `key=value` entries of flat config b that differ from a (name excluded)."""
+  """Dotted `key=value` entries of flat config b that differ from a (name excluded).
+
+  A removed operand (fmt=none) or rotation (block=0) is one entry.
+  """
+  for key, removed in (("fmt", "none"), ("block", 0)):
+    if key in b and b[key] == removed:
+      return [] if a[key] == removed else [f"{prefix}{key}={removed}"]
   out = []
   for k in b:
     if k == "name":
