@@ -33,7 +33,7 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fp4jax.formats import FORMATS, QuantSpec
+from fp4jax.formats import QuantSpec
 from fp4jax.hadamard import SIGN_POLICIES, check_sign_policy
 
 ROLES = ("fprop", "dgrad", "wgrad")
@@ -332,8 +332,7 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
       dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend)))
   if scale_mode is not None and not _mx_specs(out):
     raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
-                     f"recipe {cfg.name!r} has none (formats: MX ones are "
-                     f"{', '.join(f for f in FORMATS if f.startswith('mx'))})")
+                     f"recipe {cfg.name!r} has none")
   changes = _name_changes(_diff(base.to_config(), out.to_config()), out)
   return dataclasses.replace(out, name=f"{base.name}[{','.join(changes)}]") if changes else out
 

@@ -272,7 +272,7 @@ def test_rotation_without_quantization_leaves_the_product_unchanged(layout, sign
   ls, rs, dims = LAYOUTS[layout]
   x, w = _normal(0, ls), _normal(1, rs)
   dy = _normal(2, jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), x, w).shape)
-  want = _vjp(lambda a, b, d, key: lax.dot_general(a, b, d, precision="highest"), x, w, dy, dims)
+  want = _vjp(lambda a, b, d, key, layer_key: lax.dot_general(a, b, d, precision="highest"), x, w, dy, dims)
   got = _vjp(dot.dot_general(_rotation_only(signs)), x, w, dy, dims)
   for u, v in zip(got, want):
     assert u.shape == v.shape
