@@ -281,10 +281,10 @@ def _given(node) -> dict:
 
 def _override_spec(spec, node, where, scale_mode=None):
   """spec with node's fields; scale_mode (recipe-wide) applies to MX results
-  whose node gives none."""
+  whose node gives none and whose scale comes from the block amax (QuEST's
+  exponent is its own)."""
   spec = _override_fields(spec, _given(node), where)
-  if scale_mode is not None and spec is not None and spec.family == "mx" and (
-      node.scale_mode is None):
+  if scale_mode is not None and spec in _mx_specs_of([spec]) and node.scale_mode is None:
     spec = dataclasses.replace(spec, scale_mode=scale_mode)
   return spec
 
@@ -338,9 +338,13 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
 
 
 def _mx_specs(r: Recipe) -> list:
-  """The MX QuantSpecs of r's operands, role by role."""
-  specs = (getattr(getattr(r, role), op) for role in ROLES for op in OPERANDS)
-  return [s for s in specs if s is not None and s.family == "mx"]
+  """The MX QuantSpecs of r's operands with amax-based scales, role by role."""
+  return _mx_specs_of(getattr(getattr(r, role), op) for role in ROLES for op in OPERANDS)
+
+
+def _mx_specs_of(specs) -> list:
+  """The specs (None allowed) that follow an E8M0 scale rule."""
+  return [s for s in specs if s is not None and s.family == "mx" and s.block_scale == "amax"]
 
 
 def _name_changes(changes, out):

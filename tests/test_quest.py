@@ -111,3 +111,11 @@ def test_quest_needs_mxfp4_nearest_floor(kwargs):
     formats.QuantSpec(block_scale="quest", **kwargs)
   with pytest.raises(ValueError, match="block_scale"):
     formats.QuantSpec("mxfp4", block_scale="rms")
+
+
+def test_recipe_wide_scale_mode_leaves_quest_alone():
+  cfg = recipes.config_template("quartet")
+  cfg.scale_mode = "even"
+  r = recipes.from_config(cfg)
+  assert r.fprop.lhs == QUEST and r.dgrad.lhs.scale_mode == "even"
+  assert r.name == "quartet[scale_mode=even]"
