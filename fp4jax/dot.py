@@ -51,7 +51,9 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
   quantization as one fused kernel (fp4jax.kernels) where it supports the spec,
   and the XLA path otherwise; both give the same bits. rotation None: no rotation; else x
   is zero-padded along `axis` to a multiple of rotation.block and rotated with
-  `signs` (None or a +-1 vector). spec None: no quantization. Returns x's dtype;
+  `signs` (None or a +-1 vector). spec None: no quantization; spec.block_2d:
+  square tiles over (axis, the other axes flattened), see fp4jax.blocks2d,
+  which keeps a weight's Fprop and Dgrad quantizations equal. Returns x's dtype;
   shape = x.shape, with `axis` padded when rotated.
   """
   if rotation is not None:
@@ -59,7 +61,7 @@ def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, 
     if pad:
       x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
   block = None if rotation is None else rotation.block
-  if backend == "pallas" and spec is not None:
+  if backend == "pallas" and spec is not None and spec.is_plain_blocks:
     from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
     if kernel_quantize.unsupported(spec, block) is None:
       return kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
@@ -193,7 +195,32 @@ def _bwd(s, res, dy):
              _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
   # dw axes: batch (rb), lhs's remaining dims (lc, by lhs index), rhs free (rf).
   dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
+  fprop = s.recipe.fprop
+  if fprop.lhs is not None and fprop.lhs.has_trust_mask:
+    dx = _trust_masked(dx, lhs, lc, True, fprop, fprop.lhs, key, layer_key)
+  if fprop.rhs is not None and fprop.rhs.has_trust_mask:
+    dw = _trust_masked(dw, rhs, rc, False, fprop, fprop.rhs, key, layer_key)
   return dx, dw, None, None
+
+
+def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
+  """QuEST's trust estimator (fp4jax.quest): grad (x's layout) with the
+  gradient of every element that Fprop's quantization of x clipped zeroed, in
+  the layout and rotation in which Fprop quantized x, i.e.
+  P^T(clip_mask(P x) * P grad) with P = flatten `axes` (`last` as in _gemm),
+  pad and rotate (orthonormal, so P^T undoes it)."""
+  fkey = _role_key(key, 0)
+  signs = rotation_signs(gemm.hadamard, None if fkey is None else jax.random.fold_in(fkey, 2),
+                         _role_key(layer_key, 0))
+  axis = _flatten(x, axes, last)[1]
+
+  def to_quantized_layout(t):
+    return quantize_operand(_flatten(t, axes, last)[0], None, gemm.hadamard, signs, axis,
+                            None, "xla")
+
+  xr, pull = jax.vjp(to_quantized_layout, x)
+  mask = formats.clip_mask(xr, spec, axis)
+  return pull(to_quantized_layout(grad) * mask.astype(grad.dtype))[0]
 
 
 _qdot.defvjp(_fwd, _bwd)

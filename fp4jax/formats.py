@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp4jax import eden, four_over_six, quest
 from fp4jax import scales as scales_lib
 from fp4jax.elements import ELEMENTS, ElementFormat, round_element
 from fp4jax.scales import block_exponent  # public building block
@@ -55,6 +56,7 @@ _FORMATS = {
 FORMATS = tuple(_FORMATS)
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest", "stochastic", "stochastic_dither")
+BLOCK_SCALES = ("amax", "quest", "four_over_six", "ms_eden")
 NVFP4_GLOBAL_DIVISOR = 6.0 * 448.0  # E2M1 max * E4M3 max
 
 
@@ -69,12 +71,24 @@ class QuantSpec:
 
   fmt: one of FORMATS. block_size: elements per scale (None: 32 for MX, 16 for
   NVFP4, whole tensor for FP8). scale_mode: E8M0 rule, MX only (one of
-  SCALE_MODES). rounding: one of ROUNDINGS.
+  SCALE_MODES). rounding: one of ROUNDINGS. block_2d: blocks are square
+  tiles of block x block elements over the quantized axis and all other axes
+  flattened (fp4jax.blocks2d), so a matrix and its transpose quantize alike;
+  blocked formats only. block_scale, one of BLOCK_SCALES: "amax" (the scale
+  rule on the block maximum) or "quest" (mxfp4, nearest, floor only: the
+  scale from the block RMS with clipping, fp4jax.quest; dot_general then
+  zeroes the gradient of clipped Fprop elements) or "four_over_six" (nvfp4,
+  nearest or stochastic: each block scaled to a max of 6 or 4, whichever
+  errs less, fp4jax.four_over_six) or "ms_eden" (nvfp4, rounding
+  "stochastic": elements round to nearest, the EDEN-corrected block scales
+  stochastically; fp4jax.eden).
   """
   fmt: str
   block_size: int | None = None
   scale_mode: str = "floor"
   rounding: str = "nearest"
+  block_2d: bool = False
+  block_scale: str = "amax"
 
   def __post_init__(self):
     _check_name("format", self.fmt, FORMATS)
@@ -90,6 +104,26 @@ class QuantSpec:
     if self.family != "mx" and self.scale_mode != "floor":
       raise ValueError(f"scale_mode={self.scale_mode!r} applies to MX formats "
                        f"(E8M0 scales) only; {self.fmt} scales are not E8M0")
+    if not isinstance(self.block_2d, bool):
+      raise TypeError(f"block_2d must be a bool, got {self.block_2d!r}")
+    if self.block_2d and self.block is None:
+      raise ValueError(f"block_2d=True needs a blocked format; {self.fmt} has "
+                       "one scale per tensor")
+    _check_name("block_scale", self.block_scale, BLOCK_SCALES)
+    if self.block_scale == "quest" and (self.fmt, self.scale_mode, self.rounding) != (
+        "mxfp4", "floor", "nearest"):
+      raise ValueError(f"block_scale='quest' is QuEST's forward quantizer: fmt='mxfp4', "
+                       f"scale_mode='floor', rounding='nearest'; got fmt={self.fmt!r}, "
+                       f"scale_mode={self.scale_mode!r}, rounding={self.rounding!r}")
+    if self.block_scale == "ms_eden" and (self.fmt, self.rounding) != ("nvfp4", "stochastic"):
+      raise ValueError(f"block_scale='ms_eden' needs fmt='nvfp4' and rounding='stochastic' "
+                       f"(its randomness is in the scales); got fmt={self.fmt!r}, "
+                       f"rounding={self.rounding!r}")
+    if self.block_scale == "four_over_six" and (
+        self.fmt != "nvfp4" or self.rounding == "stochastic_dither"):
+      raise ValueError(f"block_scale='four_over_six' needs fmt='nvfp4' and nearest or "
+                       f"stochastic rounding; got fmt={self.fmt!r}, "
+                       f"rounding={self.rounding!r}")
 
   @property
   def family(self) -> str:
@@ -109,6 +143,16 @@ class QuantSpec:
   @property
   def is_random(self) -> bool:
     return self.rounding != "nearest"
+
+  @property
+  def is_plain_blocks(self) -> bool:
+    """True for 1D blocks scaled from their amax (what fp4jax.kernels implement)."""
+    return not self.block_2d and self.block_scale == "amax"
+
+  @property
+  def has_trust_mask(self) -> bool:
+    """True when the gradient of clipped elements is zeroed (QuEST)."""
+    return self.block_scale == "quest"
 
   @property
   def element_dtype(self):
@@ -235,8 +279,10 @@ def _element_values(x, spec, axis, key):
     red = axis + 1
   amax = block_amax(xb, red)
   g = None
+  four_six = spec.block_scale == "four_over_six"
   if spec.family == "mx":
-    e = block_exponent(amax, spec)
+    e = (quest.block_exponent(xb, red, spec) if spec.block_scale == "quest" else
+         block_exponent(amax, spec))
     s = scales_lib.exp2(e)
     inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
     v = xb * inv
@@ -244,12 +290,12 @@ def _element_values(x, spec, axis, key):
   elif spec.family == "nvfp4":
     finite = jnp.isfinite(amax)
     g_amax = jnp.max(jnp.where(finite, amax, 0.0))
-    g = g_amax * _recip(NVFP4_GLOBAL_DIVISOR)
+    divisor, peak = {"four_over_six": (four_over_six.GLOBAL_DIVISOR, spec.element.max),
+                     "ms_eden": (eden.GLOBAL_DIVISOR, eden.PEAK)}.get(
+                         spec.block_scale, (NVFP4_GLOBAL_DIVISOR, spec.element.max))
+    g = g_amax * _recip(divisor)
     g = jnp.where(g > 0, g, 1.0)  # all-zero tensor, or underflow
-    s = round_element(amax * _recip(spec.element.max) / g, ELEMENTS["e4m3"])
-    s = jnp.where(finite, s, jnp.nan)
-    d = s * g
-    v = xb / jnp.where(d == 0, jnp.inf, d)
+    s, v = _nvfp4_scaled(xb, amax, finite, g, peak)
     stored = s.astype(jnp.float8_e4m3fn)
   else:  # fp8: float32 scale amax / max
     s = jnp.where(jnp.isfinite(amax), amax * _recip(spec.element.max), jnp.nan)
@@ -259,6 +305,11 @@ def _element_values(x, spec, axis, key):
     stored = jnp.squeeze(stored, red)
   else:
     stored = stored.reshape(())
+  if spec.block_scale == "ms_eden":
+    q = round_element(v, spec.element)
+    s = round_element(eden.corrected_scales(v, q, s, red), ELEMENTS["e4m3"],
+                      jax.random.bits(key, s.shape, jnp.uint32))
+    return q, s, jnp.squeeze(s.astype(jnp.float8_e4m3fn), red), g, n
   bits = None
   if spec.is_random:
     bits = jax.random.bits(key, v.shape, jnp.uint32)
@@ -266,7 +317,22 @@ def _element_values(x, spec, axis, key):
     v = v * 0.75
     g = jnp.float32(4.0 / 3.0) * (1.0 if g is None else g)
   q = round_element(v, spec.element, bits)
+  if four_six:
+    s4, v4 = _nvfp4_scaled(xb, amax, finite, g, four_over_six.SMALL_PEAK)
+    q, s = four_over_six.select(xb, (q, s), (round_element(v4, spec.element, bits), s4), g,
+                                red)
+    stored = jnp.squeeze(s.astype(jnp.float8_e4m3fn), red)
   return q, s, stored, g, n
+
+
+def _nvfp4_scaled(xb, amax, finite, g, peak):
+  """(s, v): E4M3 block scales mapping each block's amax to `peak`, as float32
+  (NaN for non-finite blocks), and the blocks divided by s * g (0 where that
+  is 0)."""
+  s = round_element(amax * _recip(peak) / g, ELEMENTS["e4m3"])
+  s = jnp.where(finite, s, jnp.nan)
+  d = s * g
+  return s, xb / jnp.where(d == 0, jnp.inf, d)
 
 
 def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
@@ -277,6 +343,9 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
   """
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
+  if spec.block_2d:
+    raise ValueError("quantize returns 1D blocks; quantize a block_2d spec with "
+                     "fp4jax.blocks2d.quantize_tiles")
   q, _, stored, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   if n is not None:
     q = _from_blocks(q, axis, n)
@@ -313,10 +382,34 @@ _fake_quantize_ste.defvjp(_ste_fwd, _ste_bwd)
 
 def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
   """quantize(x, spec, axis, key).dequantize(x.dtype), bit for bit, computed
-  in float32 without leaving x's layout; straight-through gradient."""
+  in float32 without leaving x's layout; straight-through gradient. A
+  block_2d spec quantizes square tiles (fp4jax.blocks2d.fake_quantize_2d)."""
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
+  if spec.block_2d:
+    from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
+    return blocks2d.fake_quantize_2d(x, spec, axis, key)
   return _fake_quantize_ste(x, spec, axis, key)
+
+
+def clip_mask(x, spec: QuantSpec, axis: int = -1):
+  """bool, x.shape: True where quantize(x, spec, axis) leaves the element
+  unclipped, |x| <= element max * its block scale (* global scale); NaN is
+  False. Random roundings are judged by their nearest-rounding scales (the
+  same scales). 1D blocks only."""
+  x = jnp.asarray(x)
+  spec = dataclasses.replace(spec, rounding="nearest")
+  axis = _check_input(x, spec, axis, None)
+  if spec.block_2d:
+    raise ValueError("clip_mask takes 1D blocks; got a block_2d spec")
+  x32 = x.astype(jnp.float32)
+  _, s, _, g, n = _element_values(x32, spec, axis, None)
+  xb = x32 if n is None else _to_blocks(x32, axis, spec.block)[0]
+  limit = s * spec.element_max
+  if g is not None:
+    limit = limit * g
+  ok = jnp.abs(xb) <= limit
+  return ok if n is None else _from_blocks(ok, axis, n)
 
 
 def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):

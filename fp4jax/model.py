@@ -23,6 +23,8 @@ Quantized layers: q, k, v, o, gate, up, down, and the head when
 `dot_general_cls`. Layers named in `bf16_layers` use `fp4jax.recipe("bf16")`:
   "block_<i>"   all seven linears of block i (i in [0, n_layers); negative i
                 counts from the end, so "block_-1" is the last block),
+  "first:<n>"   the first n blocks, "last:<n>" the last n (NVIDIA's NVFP4
+                12B recipe, arXiv 2509.25149: "first:2,last:8"),
   "head"        the output head (only meaningful with quantize_head=True).
 The attention products QK^T and PV run in the compute dtype through
 lax.dot_general, unless `quantize_attention=True`, in which case they go
@@ -60,6 +62,7 @@ REMAT_POLICIES = {
 }
 ATTENTION_IMPLS = ("dot_general", "xla", "cudnn")
 _BLOCK_NAME = re.compile(r"block_(-?\d+)")
+_BLOCK_RANGE = re.compile(r"(first|last):(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,8 @@ class LlamaConfig:
     norm_eps: RMSNorm epsilon.
     dtype: compute dtype, "bfloat16" or "float32" (parameters are float32).
     bf16_layers: layers kept on the unquantized recipe ("block_0", "block_-1",
-      "head"; see the module docstring); a comma-separated string is accepted.
+      "first:2", "last:8", "head"; see the module docstring); a comma-separated
+      string is accepted.
     quantize_head: the output head uses the recipe (default: plain dot).
     quantize_attention: QK^T and PV use the recipe (default: compute dtype).
     capture_dots: recipe DotGeneral modules sow operands and perturb outputs
@@ -148,8 +152,8 @@ class LlamaConfig:
       raise ValueError("LlamaConfig.quantize_attention=True needs attention_impl='dot_general', "
                        f"got {self.attention_impl!r}")
     for name in self.bf16_layers:
-      self.block_index(name)  # raises on a bad name
-    if self.scan_layers and any(self.block_index(n) is not None for n in self.bf16_layers):
+      self.named_blocks(name)  # raises on a bad name
+    if self.scan_layers and any(n != "head" for n in self.bf16_layers):
       raise ValueError(
           f"LlamaConfig.scan_layers=True cannot keep individual blocks in bf16 "
           f"(bf16_layers={self.bf16_layers}); scanned blocks share one recipe. "
@@ -166,14 +170,30 @@ class LlamaConfig:
     match = _BLOCK_NAME.fullmatch(name)
     if match is None or not -self.n_layers <= int(match.group(1)) < self.n_layers:
       raise ValueError(
-          f"LlamaConfig.bf16_layers entry {name!r} is not a layer name; use 'head' or "
-          f"'block_<i>' with -{self.n_layers} <= i < {self.n_layers} "
-          "(negative counts from the end)")
+          f"LlamaConfig.bf16_layers entry {name!r} is not a layer name; use 'head', "
+          f"'first:<n>', 'last:<n>' or 'block_<i>' with -{self.n_layers} <= i < "
+          f"{self.n_layers} (negative counts from the end)")
     return int(match.group(1)) % self.n_layers
+
+  def named_blocks(self, name: str) -> set[int]:
+    """Block indices a bf16_layers entry names: "block_<i>", "first:<n>",
+    "last:<n>"; the empty set for "head"."""
+    match = _BLOCK_RANGE.fullmatch(name)
+    if match is None:
+      index = self.block_index(name)
+      return set() if index is None else {index}
+    n = int(match.group(2))
+    if not 1 <= n <= self.n_layers:
+      raise ValueError(f"LlamaConfig.bf16_layers entry {name!r} needs 1 <= n <= "
+                       f"n_layers={self.n_layers}")
+    return set(range(n)) if match.group(1) == "first" else set(
+        range(self.n_layers - n, self.n_layers))
 
   def is_bf16(self, block: int | None) -> bool:
     """Whether block `block` (None: the head) is kept on the unquantized recipe."""
-    return block in {self.block_index(name) for name in self.bf16_layers}
+    if block is None:
+      return "head" in self.bf16_layers
+    return any(block in self.named_blocks(name) for name in self.bf16_layers)
 
 
 def _check_choice(field, value, choices):

@@ -149,6 +149,8 @@ class Recipe:
           node.block_size = spec.block_size
           node.scale_mode = spec.scale_mode
           node.rounding = spec.rounding
+          node.block_2d = spec.block_2d
+          node.block_scale = spec.block_scale
       h, node = gemm.hadamard, cfg[role].hadamard
       node.block = 0 if h is None else h.block
       if h is not None:
@@ -175,12 +177,21 @@ def _mxfp4_all(scale_mode="even", bwd_rounding="nearest", hadamard=None,
               wgrad=Gemm(bwd, bwd, hadamard or wgrad_hadamard))
 
 
+def _four_over_six(roles):
+  """roles with every operand's blocks scaled by Four over Six."""
+  return {r: Gemm(*(dataclasses.replace(s, block_scale="four_over_six") for s in (g.lhs, g.rhs)),
+                  g.hadamard) for r, g in roles.items()}
+
+
 def _presets():
   mxfp4 = _mx()
   mxfp8 = _mx("mxfp8_e4m3", scale_mode="rceil")
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
+  nv_w = QuantSpec("nvfp4", block_2d=True)  # 16x16 weight tiles: one W for Fprop and Dgrad
+  nv46 = QuantSpec("nvfp4", block_scale="four_over_six")
+  eden = QuantSpec("nvfp4", rounding="stochastic", block_scale="ms_eden")
   sr_dither = _mx(rounding="stochastic_dither")
-  sr = _mx(rounding="stochastic")
+  quest_fwd = QuantSpec("mxfp4", block_scale="quest")
   tseng_h = Hadamard(64, "per-step")
   quartet_bwd_h = Hadamard(32, "per-step")
   return {
@@ -202,10 +213,21 @@ def _presets():
       "mxfp4-dh16-floor": _mxfp4_all(scale_mode="floor", hadamard=Hadamard(16)),
       "tseng": dict(dgrad=Gemm(sr_dither, sr_dither, tseng_h),
                     wgrad=Gemm(sr_dither, sr_dither, tseng_h)),
-      "quartet": dict(fprop=Gemm(mxfp4, mxfp4, Hadamard(32)),
-                      dgrad=Gemm(sr, sr, quartet_bwd_h), wgrad=Gemm(sr, sr, quartet_bwd_h)),
-      "nvfp4": dict(fprop=Gemm(nv, nv), dgrad=Gemm(nv_sr, nv),
+      # Quartet, arXiv 2505.14669: QuEST forward after H32; backward SR (blocks
+      # scaled by 3/4 first, as Tseng et al.) with signs drawn afresh each step.
+      "quartet": dict(fprop=Gemm(quest_fwd, quest_fwd, Hadamard(32)),
+                      dgrad=Gemm(sr_dither, sr_dither, quartet_bwd_h),
+                      wgrad=Gemm(sr_dither, sr_dither, quartet_bwd_h)),
+      # NVIDIA, arXiv 2509.25149 (BF16 first/last blocks: LlamaConfig.bf16_layers).
+      "nvfp4": dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
                     wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed"))),
+      # Four over Six, arXiv 2512.02010: the NVIDIA recipe, every block 6-or-4.
+      "nvfp4-4over6": _four_over_six(dict(fprop=Gemm(nv, nv_w), dgrad=Gemm(nv_sr, nv_w),
+                                          wgrad=Gemm(nv, nv_sr, Hadamard(16, "fixed")))),
+      # Quartet II, arXiv 2601.22813: forward NVFP4 with Four over Six; backward
+      # MS-EDEN after a 128-point Hadamard with fresh signs every step.
+      "quartet2": dict(fprop=Gemm(nv46, nv46), dgrad=Gemm(eden, eden, Hadamard(128, "per-step")),
+                       wgrad=Gemm(eden, eden, Hadamard(128, "per-step"))),
   }
 
 
@@ -230,13 +252,15 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding} and hadamard.{block, signs, seed}; plus compute_dtype, backend and
-  scale_mode (the rule of every MX operand without its own scale_mode).
+  rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
+  backend and scale_mode (the rule of every MX operand without its own
+  scale_mode).
   """
   def operand():
     return ml_collections.ConfigDict(dict(
         fmt=config_dict.placeholder(str), block_size=config_dict.placeholder(int),
-        scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str)))
+        scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str),
+        block_2d=config_dict.placeholder(bool), block_scale=config_dict.placeholder(str)))
 
   def gemm():
     return ml_collections.ConfigDict(dict(
@@ -257,10 +281,10 @@ def _given(node) -> dict:
 
 def _override_spec(spec, node, where, scale_mode=None):
   """spec with node's fields; scale_mode (recipe-wide) applies to MX results
-  whose node gives none."""
+  whose node gives none and whose scale comes from the block amax (QuEST's
+  exponent is its own)."""
   spec = _override_fields(spec, _given(node), where)
-  if scale_mode is not None and spec is not None and spec.family == "mx" and (
-      node.scale_mode is None):
+  if scale_mode is not None and spec in _mx_specs_of([spec]) and node.scale_mode is None:
     spec = dataclasses.replace(spec, scale_mode=scale_mode)
   return spec
 
@@ -314,9 +338,13 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
 
 
 def _mx_specs(r: Recipe) -> list:
-  """The MX QuantSpecs of r's operands, role by role."""
-  specs = (getattr(getattr(r, role), op) for role in ROLES for op in OPERANDS)
-  return [s for s in specs if s is not None and s.family == "mx"]
+  """The MX QuantSpecs of r's operands with amax-based scales, role by role."""
+  return _mx_specs_of(getattr(getattr(r, role), op) for role in ROLES for op in OPERANDS)
+
+
+def _mx_specs_of(specs) -> list:
+  """The specs (None allowed) that follow an E8M0 scale rule."""
+  return [s for s in specs if s is not None and s.family == "mx" and s.block_scale == "amax"]
 
 
 def _name_changes(changes, out):
@@ -330,7 +358,13 @@ def _name_changes(changes, out):
 
 
 def _diff(a, b, prefix=""):
-  """Dotted `key=value` entries of flat config b that differ from a (name excluded)."""
+  """Dotted `key=value` entries of flat config b that differ from a (name excluded).
+
+  A removed operand (fmt=none) or rotation (block=0) is one entry.
+  """
+  for key, removed in (("fmt", "none"), ("block", 0)):
+    if key in b and b[key] == removed:
+      return [] if a[key] == removed else [f"{prefix}{key}={removed}"]
   out = []
   for k in b:
     if k == "name":

@@ -7,6 +7,9 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   steps, seed                 run length; the one seed everything derives from
   quant                       recipes.config_template(): quant.name is a preset,
                               per-role overrides below it
+  quant_schedule              ((start, recipe), ...): later switches of the
+                              recipe (fp4jax.schedule); () = config.quant
+                              throughout
   model                       model_template(): name (a MODEL_PRESETS key) and
                               LlamaConfig fields (None = the preset's value;
                               vocab_size None = the tokenizer's)
@@ -92,6 +95,7 @@ def base_config():
       steps=1000,
       seed=0,
       quant=recipes.config_template("bf16"),
+      quant_schedule=(),       # ((start step or fraction, recipe), ...): fp4jax.schedule
       model=model_template("tiny"),
       data=data.data_config(),
       batch_size=8,            # global, sequences per step
@@ -139,10 +143,15 @@ def resolve(config, tokenizer):
         f"tokenizer's vocabulary ({tokenizer.vocab_size})")
   model_cfg = model_lib.model_config(config.model.name, dtype=config.dtype,
                                      **overrides)
-  recipe = recipes.from_config(config.quant)
-  if config.quant.compute_dtype is None:
-    recipe = dataclasses.replace(recipe, compute_dtype=config.dtype)
-  return model_cfg, recipe
+  return model_cfg, resolve_recipe(config.quant, config.dtype)
+
+
+def resolve_recipe(quant, dtype):
+  """The Recipe of a quant ConfigDict; compute dtype `dtype` unless it sets one."""
+  recipe = recipes.from_config(quant)
+  if quant.compute_dtype is None:
+    recipe = dataclasses.replace(recipe, compute_dtype=dtype)
+  return recipe
 
 
 def micro_batch(config):

@@ -35,6 +35,7 @@ import numpy as np
 from fp4jax import data
 from fp4jax import init_from
 from fp4jax import model as model_lib
+from fp4jax import schedule
 from fp4jax import sharding
 from fp4jax import train_step
 from fp4jax.checkpointing import Checkpoints
@@ -47,21 +48,25 @@ from fp4jax.train_config import expand_quant_flag  # pylint: disable=unused-impo
 from fp4jax.train_config import micro_batch as _micro_batch
 from fp4jax.train_config import model_template  # pylint: disable=unused-import
 from fp4jax.train_config import resolve
+from fp4jax.train_config import resolve_recipe
 
 def _start(config):
   """Checks the config and opens the data; any bad value -> ConfigError.
 
-  Returns (LlamaConfig, Recipe, mesh, train iterator, local validation
-  batches).
+  Returns (LlamaConfig, the recipe schedule's segments, mesh, train
+  iterator, local validation batches).
   """
   try:
     check(config)
     tokenizer = data.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = resolve(config, tokenizer)
+    segs = schedule.segments(recipe, config.get("quant_schedule"), config.steps,
+                             lambda quant: resolve_recipe(quant, config.dtype))
     mesh = sharding.make_mesh(config.mesh)
     micro_batch = _micro_batch(config)
-    sharding.check_blocks(model_cfg, recipe, mesh, micro_batch=micro_batch,
-                          seq_len=config.seq_len)
+    for seg in segs:
+      sharding.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
+                            seq_len=config.seq_len)
     eval_batch = config.eval_batch_size or micro_batch
     if eval_batch % sharding.batch_shards(mesh):
       raise ValueError(
@@ -79,7 +84,7 @@ def _start(config):
         num_batches=config.eval_batches, **procs)
   except (ValueError, FileNotFoundError, ImportError) as e:
     raise ConfigError(f"bad config: {e}") from e
-  return model_cfg, recipe, mesh, batches, val_local
+  return model_cfg, segs, mesh, batches, val_local
 
 
 def _json_default(x):
@@ -233,16 +238,18 @@ def train(config, workdir, callbacks=()):
   """
   t_start = time.time()
   sharding.initialize_distributed(config.distributed)
-  model_cfg, recipe, mesh, batches, val_local = _start(config)
+  model_cfg, segs, mesh, batches, val_local = _start(config)
+  recipe = segs[0].recipe
   init_source = init_from.open_source(config.init_from, model_cfg)
   micro_batch = _micro_batch(config)
   main = sharding.is_main_process()
   os.makedirs(workdir, exist_ok=True)
-  programs = _programs(
-      model_cfg, recipe,
+  segment_programs = [_programs(
+      model_cfg, seg.recipe,
       tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
       config.batch_size // micro_batch, tuple(config.nan_steps),
-      config.seq_len, mesh)
+      config.seq_len, mesh) for seg in segs]
+  programs = segment_programs[0]
   abstract = programs.abstract
 
   ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
@@ -264,7 +271,8 @@ def train(config, workdir, callbacks=()):
     resolved["resolved"] = dict(
         model=dataclasses.asdict(model_cfg), recipe=recipe.to_config().to_dict(),
         n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
-        resumed_from_step=start)
+        resumed_from_step=start,
+        quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
     _write_json(os.path.join(workdir, "config.json"), resolved)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
         f"{recipe.name}, mesh {dict(mesh.shape)}, "
@@ -280,6 +288,7 @@ def train(config, workdir, callbacks=()):
   train_time, train_steps, steady_time = 0.0, 0, 0.0
   pending_time, pending_steps = 0.0, 0
   step = start
+  programs = segment_programs[schedule.segment_index(segs, start)]
   with sharding.use_mesh(mesh), _StopSignals() as signals:
     if start == 0:
       evaluation = _evaluate(programs.eval, state.params, val_batches)
@@ -291,6 +300,9 @@ def train(config, workdir, callbacks=()):
         status = "interrupted"
         message = f"stopped by {signals.received} at step {step}"
         break
+      seg = schedule.segment_index(segs, step)
+      programs = segment_programs[seg]
+      switched = seg > 0 and segs[seg].start == step
       t0 = time.time()
       batch = sharding.global_batch(next(batches), mesh)
       state, metrics = programs.step(state, batch)
@@ -309,7 +321,7 @@ def train(config, workdir, callbacks=()):
                  step_time_s=pending_time / pending_steps,
                  tokens_per_s=pending_steps * tokens_per_step / pending_time,
                  skipped_steps=int(metrics["skipped"]))
-      extra = {}
+      extra = {"recipe": segs[seg].recipe.name} if switched else {}
       for cb in callbacks:
         extra.update(cb(step, state, batch) or {})
       row.update(extra)

@@ -87,9 +87,21 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key, layer_key=LAYER_KEY):
     qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
     return lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
 
+  def trust(g, operand, spec, axis):
+    """QuEST: zero the gradient of elements that Fprop's quantization clipped,
+    in Fprop's (padded, rotated) layout of the operand."""
+    if spec is None or not spec.has_trust_mask:
+      return g
+    h, n = r.fprop.hadamard, operand.shape[axis]
+    signs = _role_keys(r.fprop, key, layer_key, 0)[2]
+    p = lambda a: _q(a, None, h, signs, axis, None, jnp.float32)
+    mask = formats.clip_mask(p(operand), spec, axis)
+    back = p(g) * mask if h is None else hadamard.unrotate(p(g) * mask, h.block, axis, signs)
+    return lax.slice_in_dim(back, 0, n, axis=axis)
+
   y = gemm(0, r.fprop, x_MxK, w_KxN, 0)
-  dx = gemm(1, r.dgrad, dy_MxN, w_KxN, 1)
-  dw = gemm(2, r.wgrad, x_MxK.T, dy_MxN, 0)
+  dx = trust(gemm(1, r.dgrad, dy_MxN, w_KxN, 1), x_MxK, r.fprop.lhs, 1)
+  dw = trust(gemm(2, r.wgrad, x_MxK.T, dy_MxN, 0), w_KxN, r.fprop.rhs, 0)
   return y, dx, dw
 
 

@@ -349,6 +349,10 @@ def test_quantize_attention_and_fused_attention():
     (dict(bf16_layers=("block_-5",)), "block_-5"),
     (dict(bf16_layers=("layer_0",)), "layer_0"),
     (dict(bf16_layers=("block_0",), scan_layers=True), "scan_layers"),
+    (dict(bf16_layers=("last:1",), scan_layers=True), "scan_layers"),
+    (dict(bf16_layers=("first:0",)), "first:0"),
+    (dict(bf16_layers=("last:5",)), "last:5"),
+    (dict(bf16_layers=("middle:1",)), "middle:1"),
     (dict(quantize_attention=True, attention_impl="xla"), "quantize_attention"),
     (dict(attention_impl="cudnn", dtype="float32"), "cudnn"),
 ])
@@ -368,3 +372,10 @@ def test_config_accepts_lists_strings_and_negative_block_names():
   assert model.model_config("tiny", bf16_layers=("block_0,head",)).bf16_layers == \
       ("block_0", "head")
   assert model.model_config("tiny", bf16_layers=("head",), scan_layers=True).is_bf16(None)
+
+
+def test_first_and_last_block_ranges():
+  cfg = model.model_config("tiny", bf16_layers="first:1,last:2")
+  assert [cfg.is_bf16(i) for i in range(cfg.n_layers)] == [True, False, True, True]
+  assert not cfg.is_bf16(None)
+  assert model.model_config("tiny", bf16_layers="last:4").named_blocks("last:4") == {0, 1, 2, 3}

@@ -14,7 +14,7 @@ from fp4jax.recipes import Gemm, Hadamard, Recipe
 ISSUE_PRESETS = ("bf16", "fp8", "mxfp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4",
                  "mxfp4-sr", "mxfp4-rh16", "mxfp4-dh16", "mxfp4-dh32", "mxfp4-wdh16",
                  "mxfp4-lh16", "mxfp4-fh16", "mxfp4-floor", "mxfp4-dh16-floor",
-                 "tseng", "quartet", "nvfp4")
+                 "tseng", "quartet", "nvfp4", "nvfp4-4over6", "quartet2")
 AMD = QuantSpec("mxfp4", scale_mode="even")  # AMD's cast: even rule, nearest rounding
 
 
@@ -69,18 +69,32 @@ def test_preset_contents():
   assert tseng.wgrad.lhs.rounding == "stochastic_dither"
   assert tseng.dgrad.hadamard == Hadamard(64, "per-step")
   quartet = recipes.recipe("quartet")
-  assert quartet.fprop == Gemm(mx, mx, Hadamard(32, "none"))
+  quest = QuantSpec("mxfp4", block_scale="quest")
+  assert quartet.fprop == Gemm(quest, quest, Hadamard(32, "none"))
   assert quartet.wgrad.hadamard == Hadamard(32, "per-step")
-  assert quartet.dgrad.rhs.rounding == "stochastic"
+  assert quartet.dgrad.rhs.rounding == "stochastic_dither"
   nv = recipes.recipe("nvfp4")
   assert nv.fprop.hadamard is None and nv.dgrad.hadamard is None
   assert nv.wgrad.hadamard == Hadamard(16, "fixed")
   assert (nv.dgrad.lhs.rounding, nv.dgrad.rhs.rounding) == ("stochastic", "nearest")
   assert (nv.wgrad.lhs.rounding, nv.wgrad.rhs.rounding) == ("nearest", "stochastic")
+  assert nv.fprop.rhs == nv.dgrad.rhs == QuantSpec("nvfp4", block_2d=True)
+  n46 = recipes.recipe("nvfp4-4over6")
+  for role in ("fprop", "dgrad", "wgrad"):
+    a, b = getattr(n46, role), getattr(nv, role)
+    assert a.hadamard == b.hadamard and (a.lhs, a.rhs) == tuple(
+        dataclasses.replace(spec, block_scale="four_over_six") for spec in (b.lhs, b.rhs))
+  q2 = recipes.recipe("quartet2")
+  eden = QuantSpec("nvfp4", rounding="stochastic", block_scale="ms_eden")
+  assert q2.fprop.lhs == q2.fprop.rhs == QuantSpec("nvfp4", block_scale="four_over_six")
+  assert q2.fprop.hadamard is None
+  assert q2.dgrad == q2.wgrad == Gemm(eden, eden, Hadamard(128, "per-step"))
+  assert not (nv.fprop.lhs.block_2d or nv.dgrad.lhs.block_2d or nv.wgrad.lhs.block_2d
+              or nv.wgrad.rhs.block_2d)
 
 
 def test_is_random_needs_layer_key_and_is_plain():
-  random = {"mxfp4-sr", "mxfp4-rh16", "tseng", "quartet", "nvfp4"}
+  random = {"mxfp4-sr", "mxfp4-rh16", "tseng", "quartet", "nvfp4", "nvfp4-4over6", "quartet2"}
   for name in recipes.recipe_names():
     assert recipes.recipe(name).is_random == (name in random), name
     assert recipes.recipe(name).needs_layer_key == (name == "mxfp4-lh16"), name
