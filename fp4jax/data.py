@@ -28,20 +28,31 @@ Without a separate validation set, a document is in validation when a stable
 hash (sha256) of its file path (and line number, for JSON lines) falls below
 data.val_fraction. Training epochs repeat endlessly, each with a new shuffle;
 validation is read in order and is the same for every run and recipe.
+
+Bad files: a file that cannot be read or decoded, a malformed JSON line, a
+record without the text field, or a corpus without any text raises DataError
+naming the file (and line), at start-up where it is cheap to see (every
+.json.gz is gzip, every file's first record parses and has the field, the
+corpus has text), else when the reader reaches it. data.decode_errors sets
+what invalid UTF-8 becomes: "strict" (default: DataError naming the file and
+byte) or "replace" (U+FFFD, counted in a warning per file).
 """
 
 import collections
 import glob
 import gzip
+import codecs
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 
 import grain
 import ml_collections
 import numpy as np
 
+from fp4jax import errors
 from fp4jax.tokenizers import make_tokenizer  # pylint: disable=unused-import
 
 SOURCES = ("stdlib", "files", "tfds")
@@ -50,6 +61,13 @@ JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _STDLIB_SKIP = ("site-packages", "dist-packages", "__pycache__", "test",
                 "tests", "idle_test")
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+DECODE_ERRORS = ("strict", "replace")
+# Bytes of text files read at start-up to find some text in a corpus.
+_TEXT_PROBE_BYTES = 8 << 20
+
+
+class DataError(errors.UserError):
+  """A data file that cannot be used (named, with the line where known)."""
 
 
 def data_config():
@@ -63,7 +81,39 @@ def data_config():
       val_fraction=0.05,    # share of documents in validation (hash split)
       train_split="train",  # tfds splits
       val_split="validation",
+      decode_errors="strict",  # invalid UTF-8: "strict" (error) or "replace"
   ))
+
+
+class _Replacements:
+  """The codec error handler "fp4jax.replace": U+FFFD, counted."""
+  count = 0
+
+  @classmethod
+  def handle(cls, error):
+    cls.count += error.end - error.start
+    return "\ufffd", error.end
+
+
+codecs.register_error("fp4jax.replace", _Replacements.handle)
+_WARNED = set()
+
+
+def _warn_replaced(path, before):
+  """Warns once per file when reading it replaced invalid UTF-8 bytes."""
+  n = _Replacements.count - before
+  if n and path not in _WARNED:
+    _WARNED.add(path)
+    print(f"fp4jax.data: {path}: replaced {n} invalid UTF-8 bytes with U+FFFD "
+          "(data.decode_errors='replace')", file=sys.stderr, flush=True)
+
+
+def _decode_errors(cfg):
+  policy = cfg.get("decode_errors", "strict")
+  if policy not in DECODE_ERRORS:
+    raise ValueError(f"data.decode_errors {policy!r} is not one of "
+                     f"{DECODE_ERRORS}")
+  return "fp4jax.replace" if policy == "replace" else "strict"
 
 
 def _in_validation(key, fraction):
@@ -93,24 +143,55 @@ def stdlib_files(val_fraction=0.05):
   return root, train, val
 
 
-def _read_text(path):
-  with open(path, "rb") as f:
-    return f.read().decode("utf-8", errors="replace")
+def _read_text(path, decode_errors="strict"):
+  """The text of a .txt file; DataError naming it if unreadable."""
+  before = _Replacements.count
+  try:
+    with open(path, "rb") as f:
+      text = f.read().decode("utf-8", errors=decode_errors)
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: invalid UTF-8 at byte {e.start} ({e.reason}); "
+                    "fix the file or set data.decode_errors='replace'") from None
+  except OSError as e:
+    raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+  _warn_replaced(path, before)
+  return text
 
 
-def _open_lines(path):
+def _open_lines(path, decode_errors="strict"):
   """Text lines of a JSON-lines file, gzipped or not."""
   if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
+    return gzip.open(path, "rt", encoding="utf-8", errors=decode_errors)
+  return open(path, encoding="utf-8", errors=decode_errors)
+
+
+def _read_error(path, line, error):
+  """DataError for an exception raised reading `line` (1-based) of `path`."""
+  if isinstance(error, UnicodeDecodeError):
+    why = (f"invalid UTF-8 ({error.reason}); fix the file or set "
+           "data.decode_errors='replace'")
+  elif isinstance(error, (EOFError, gzip.BadGzipFile)) or "gzip" in str(
+      error).lower() or "compressed" in str(error).lower():
+    why = f"not a complete gzip file ({error})"
+  else:
+    why = f"cannot be read ({error})"
+  return DataError(f"{path} line {line}: {why}")
+
+
+def _parse(raw, where):
+  try:
+    return json.loads(raw)
+  except ValueError as e:
+    raise DataError(f"{where}: malformed JSON ({e})") from None
 
 
 def _text_of(record, text_key, where):
   text = record.get(text_key) if isinstance(record, dict) else None
   if text is None:
-    fields = sorted(record) if isinstance(record, dict) else type(record)
-    raise ValueError(f"{where}: no field {text_key!r} (data.text_key); "
-                     f"found {fields}.")
+    fields = (sorted(record) if isinstance(record, dict)
+              else type(record).__name__)
+    raise DataError(f"{where}: no field {text_key!r} (data.text_key); "
+                    f"found {fields}.")
   return text.decode("utf-8") if isinstance(text, bytes) else text
 
 
@@ -127,8 +208,9 @@ class _JsonLinesReader:
   """
 
   def __init__(self, files, relpaths, text_key, keep, seed, rows,
-               global_batch):
+               global_batch, decode_errors="strict"):
     self.files, self.relpaths, self.text_key = files, relpaths, text_key
+    self.decode_errors = decode_errors
     self.keep, self.seed, self.global_batch = keep, seed, global_batch
     start = dict(epoch=0, file=0, line=0, count=0)
     self.after = {r: dict(start) for r in rows}
@@ -141,7 +223,7 @@ class _JsonLinesReader:
       self._read_line()
     raw, where, after = self.queues[row].popleft()
     self.after[row] = after
-    return _text_of(json.loads(raw), self.text_key, where)
+    return _text_of(_parse(raw, where), self.text_key, where)
 
   def restore(self, row, after):
     """Puts `row` back to position `after`; rereads from the earliest row."""
@@ -165,18 +247,25 @@ class _JsonLinesReader:
       # Count at the epoch's start; unknown (-1) when restarting mid-epoch.
       self._pos, self._epoch_count = pos, pos["count"] if at_epoch_start else -1
     pos, index = self._pos, self._file_index()
-    if self._lines is None:
-      self._lines = _open_lines(self.files[index])
-      for _ in range(pos["line"]):
-        self._lines.readline()
-    raw = self._lines.readline()
+    path = self.files[index]
+    before = _Replacements.count
+    try:
+      if self._lines is None:
+        self._lines = _open_lines(path, self.decode_errors)
+        for _ in range(pos["line"]):
+          self._lines.readline()
+      raw = self._lines.readline()
+    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
+      self._close()
+      raise _read_error(path, pos["line"] + 1, e) from None
+    _warn_replaced(path, before)
     if not raw:
       self._close()
       pos["file"], pos["line"] = pos["file"] + 1, 0
       if pos["file"] == len(self.files):
         if pos["count"] == self._epoch_count:
-          raise ValueError(f"no documents in {self.files} for this split "
-                           "(see data.val_fraction, data.val_path).")
+          raise DataError(f"no documents in {self.files} for this split "
+                          "(see data.val_fraction, data.val_path).")
         pos["epoch"], pos["file"] = pos["epoch"] + 1, 0
         self._epoch_count = pos["count"]
       return
@@ -267,7 +356,13 @@ class BatchIterator:
     return self
 
   def __next__(self):
-    return np.stack([next(r) for r in self._rows])
+    """The next batch; after an error, the position is the one before it."""
+    state = self.get_state()
+    try:
+      return np.stack([next(r) for r in self._rows])
+    except Exception:
+      self.set_state(state)
+      raise
 
   def get_state(self):
     return dict(self._key, rows=[r.get_state() for r in self._rows])
@@ -301,13 +396,57 @@ def _glob(pattern, what):
   return files, [os.path.relpath(os.path.abspath(f), root) for f in files]
 
 
-def _check_text_key(path, text_key):
-  """Fails at start when the first record of `path` lacks the text field."""
-  with _open_lines(path) as lines:
-    for number, raw in enumerate(lines):
-      if raw.strip():
-        _text_of(json.loads(raw), text_key, f"{path} line {number + 1}")
+def _check_json_files(files, text_key, decode_errors):
+  """Start-up checks of JSON-lines files (DataError naming file and line).
+
+  Every .gz file starts with the gzip magic bytes and every file's first
+  record parses and has `text_key`. Files are then read in order until one
+  record has text (at most _TEXT_PROBE_BYTES of lines): a corpus read to the
+  end without text is refused.
+  """
+  for path in files:
+    if path.endswith(".gz"):
+      try:
+        with open(path, "rb") as f:
+          magic = f.read(2)
+      except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
+      if magic != b"\x1f\x8b":
+        raise DataError(f"{path}: not a gzip file (it ends in .gz); "
+                        "compress it or drop the .gz suffix.")
+    _json_records(path, text_key, decode_errors, first_only=True)
+  probed = 0
+  for path in files:
+    for text, size in _json_records(path, text_key, decode_errors):
+      if text.strip():
         return
+      probed += size
+      if probed > _TEXT_PROBE_BYTES:
+        return  # too much to read at start-up; assume text follows
+  raise DataError(f"no text in the {len(files)} files of data.path: every "
+                  f"record's {text_key!r} field is empty, e.g. {files[0]}.")
+
+
+def _json_records(path, text_key, decode_errors, first_only=False):
+  """Yields (text, line bytes) of the records of a JSON-lines file."""
+  number = 0
+  try:
+    with _open_lines(path, decode_errors) as lines:
+      for number, raw in enumerate(lines, 1):
+        if raw.strip():
+          where = f"{path} line {number}"
+          yield _text_of(_parse(raw, where), text_key, where), len(raw)
+          if first_only:
+            return
+  except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
+    raise _read_error(path, number + 1, e) from None
+
+
+def _check_text_files(files):
+  """Refuses a .txt corpus whose files are all empty."""
+  if not any(os.path.getsize(f) for f in files):
+    raise DataError(f"no text in the {len(files)} files of data.path: all are "
+                    f"empty, e.g. {files[0]}.")
 
 
 def _corpus(cfg, split):
@@ -334,6 +473,7 @@ def _corpus(cfg, split):
       raise ValueError("data.source='files' needs data.path, a glob such as "
                        "'/data/c4/en/c4-train.*.json.gz'.")
     by_hash = not cfg.val_path
+    decode_errors = _decode_errors(cfg)
     pattern, what = ((cfg.val_path, "data.val_path") if validation and
                      not by_hash else (cfg.path, "data.path"))
     files, rels = _glob(pattern, what)
@@ -346,8 +486,10 @@ def _corpus(cfg, split):
                          f"files falls in {split} (data.val_fraction="
                          f"{cfg.val_fraction}); add files or set "
                          "data.val_path.")
-      return grain.MapDataset.source(chosen).map(_read_text)
-    _check_text_key(files[0], cfg.text_key)
+      _check_text_files(chosen)
+      return grain.MapDataset.source(chosen).map(
+          lambda path: _read_text(path, decode_errors))
+    _check_json_files(files, cfg.text_key, decode_errors)
     fraction = cfg.val_fraction
 
     def keep(rel, line):
@@ -355,7 +497,8 @@ def _corpus(cfg, split):
                                               fraction) == wanted
 
     return lambda seed, rows, global_batch: _JsonLinesReader(
-        files, rels, cfg.text_key, keep, seed, rows, global_batch)
+        files, rels, cfg.text_key, keep, seed, rows, global_batch,
+        decode_errors)
   if cfg.source == "tfds":
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top

@@ -11,8 +11,10 @@ with i), and the data order from `seed` through fp4jax.data. Nothing else is
 random, so a run (and a resumed run) is bitwise reproducible on CPU.
 
 Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
-checkpoints/<step>/, summary.json. A workdir that holds a checkpoint resumes
-from its newest readable one.
+checkpoints/<step>/, summary.json, lock (while a run holds it), history/
+(records a restart set aside). A workdir that holds a checkpoint resumes from
+its newest readable one, with the config it was started with: see
+fp4jax.workdir for the keys that may change and the lock.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -34,6 +37,7 @@ from fp4jax import data
 from fp4jax import model as model_lib
 from fp4jax import sharding
 from fp4jax import train_step
+from fp4jax import workdir as workdir_lib
 from fp4jax.checkpointing import Checkpoints
 from fp4jax.metrics_log import MetricsLog
 # Re-exported: configs and CLIs use trainer.base_config() etc.
@@ -52,6 +56,7 @@ def _start(config):
   batches).
   """
   try:
+    sharding.initialize_distributed(config.distributed)
     check(config)
     tokenizer = data.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = resolve(config, tokenizer)
@@ -79,21 +84,6 @@ def _start(config):
   return model_cfg, recipe, mesh, batches, val_local
 
 
-def _json_default(x):
-  if isinstance(x, (np.generic, jax.Array)):
-    return np.asarray(x).tolist()
-  if isinstance(x, tuple):
-    return list(x)
-  return str(x)
-
-
-def _write_json(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=_json_default)
-  os.replace(tmp, path)
-
-
 class _StopSignals:
   """SIGTERM/SIGINT set a flag (a second one interrupts at once)."""
 
@@ -119,6 +109,44 @@ class _StopSignals:
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+class _SaveOnError:
+  """Saves a checkpoint when the loop stops on an exception between steps.
+
+  An error in the data, the metrics or a callback (anything but the step
+  itself, whose input state is donated) leaves the state after the last
+  completed step; it is saved (with the data position before the failed
+  batch, see data.BatchIterator) before the exception goes on, as on SIGTERM.
+  `track(step_fn)` wraps the jitted step to know when that state exists.
+  """
+
+  def __init__(self, ckpts, batches):
+    self._ckpts, self._batches = ckpts, batches
+    self._state = None  # None before the first step and while a step runs
+
+  def track(self, step_fn):
+    def tracked(state, batch):
+      self._state = None
+      out = step_fn(state, batch)
+      self._state = out[0]
+      return out
+    return tracked
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, error, traceback):
+    if not isinstance(error, Exception) or self._state is None:
+      return False
+    if jax.process_count() > 1:  # saving needs every process: not on one's error
+      return False
+    step = int(self._state.step)
+    self._ckpts.save(step, self._state, _data_states(self._batches))
+    self._ckpts.wait()
+    print(f"fp4jax: stopping at step {step} on {type(error).__name__}; saved "
+          f"a checkpoint at step {step} first.", file=sys.stderr, flush=True)
+    return False
 
 
 _OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
@@ -196,7 +224,11 @@ def _restore_data_state(batches, saved):
     raise ConfigError(
         f"the checkpoint's data iterator was saved by {len(states)} "
         f"processes; resuming it with {jax.process_count()} is not supported")
-  batches.set_state(states[jax.process_index()])
+  try:
+    batches.set_state(states[jax.process_index()])
+  except ValueError as e:
+    raise ConfigError(f"cannot resume the checkpoint's data position: {e}"
+                      " (was batch_size or the data changed?)") from None
 
 
 def _evaluate(eval_fn, params, val_batches):
@@ -204,7 +236,7 @@ def _evaluate(eval_fn, params, val_batches):
   return float(np.mean(jax.device_get(losses)))
 
 
-def train(config, workdir, callbacks=()):
+def train(config, workdir, callbacks=(), *, override_resume=False):
   """Trains (or resumes) the run `config` in `workdir`; returns the summary.
 
   callbacks: each is called as cb(step, state, batch) after every step
@@ -215,13 +247,30 @@ def train(config, workdir, callbacks=()):
   summary["status"]: "completed", "target_reached", "interrupted" (a signal;
   a checkpoint was saved) or "diverged" (max_bad_steps non-finite steps in a
   row; the last good checkpoint is kept).
+
+  The workdir is locked for the run. A workdir that holds a run of a config
+  differing in a key outside workdir.RESUMABLE_KEYS is refused (ConfigError)
+  unless `override_resume`, which continues it with the new values. User
+  errors (config, data, workdir, a checkpoint that does not fit) raise
+  fp4jax.errors.UserError subclasses with a one-line message.
   """
   t_start = time.time()
-  sharding.initialize_distributed(config.distributed)
   model_cfg, recipe, mesh, batches, val_local = _start(config)
+  workdir_lib.prepare(workdir)
+  lock = workdir_lib.WorkdirLock(workdir).acquire()
+  try:
+    workdir_lib.check_resume_config(workdir, config, override=override_resume)
+    return _run(config, workdir, callbacks, t_start, model_cfg, recipe, mesh,
+                batches, val_local)
+  finally:
+    lock.release()
+
+
+def _run(config, workdir, callbacks, t_start, model_cfg, recipe, mesh,
+         batches, val_local):
+  """train() once the config is checked and the workdir locked."""
   micro_batch = _micro_batch(config)
   main = sharding.is_main_process()
-  os.makedirs(workdir, exist_ok=True)
   programs = _programs(
       model_cfg, recipe,
       tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
@@ -239,6 +288,8 @@ def train(config, workdir, callbacks=()):
     _, state, data_state = restored
     _restore_data_state(batches, data_state)
   start = int(state.step)
+  if main:
+    workdir_lib.set_aside_history(workdir, start)
   n_params = sum(math.prod(x.shape) for x in
                  jax.tree.leaves(abstract.params))
   if main:
@@ -247,7 +298,7 @@ def train(config, workdir, callbacks=()):
         model=dataclasses.asdict(model_cfg), recipe=recipe.to_config().to_dict(),
         n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
         resumed_from_step=start)
-    _write_json(os.path.join(workdir, "config.json"), resolved)
+    workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
         f"{recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
@@ -258,13 +309,16 @@ def train(config, workdir, callbacks=()):
   log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
                    enabled=main)
   status, message = "completed", ""
-  eval_loss = target_tokens = last_loss = None
+  eval_loss = eval_step = target_tokens = last_loss = None
   train_time, train_steps, steady_time = 0.0, 0, 0.0
   pending_time, pending_steps = 0.0, 0
   step = start
-  with sharding.use_mesh(mesh), _StopSignals() as signals:
+  with (sharding.use_mesh(mesh), _StopSignals() as signals,
+        _SaveOnError(ckpts, batches) as on_error):
+    programs = dataclasses.replace(programs, step=on_error.track(programs.step))
     if start == 0:
-      eval_loss = _evaluate(programs.eval, state.params, val_batches)
+      eval_loss, eval_step = _evaluate(programs.eval, state.params,
+                                       val_batches), 0
       log.write(dict(step=0, tokens=0, eval_loss=eval_loss,
                      eval_perplexity=math.exp(min(eval_loss, 700))))
     while step < config.steps:
@@ -296,16 +350,20 @@ def train(config, workdir, callbacks=()):
       row.update(extra)
       evaluated = step % config.eval_every == 0 or step == config.steps
       if evaluated:
-        eval_loss = _evaluate(programs.eval, state.params, val_batches)
+        eval_loss, eval_step = _evaluate(programs.eval, state.params,
+                                         val_batches), step
         row.update(eval_loss=eval_loss,
                    eval_perplexity=math.exp(min(eval_loss, 700)))
       bad_in_row = int(metrics["bad_in_row"])
       if bad_in_row >= config.max_bad_steps:
         status = "diverged"
+        ckpts.wait()
+        kept = ckpts.steps()
         message = (f"stopped at step {step}: {bad_in_row} steps in a row had "
                    f"a non-finite loss or gradient (max_bad_steps="
-                   f"{config.max_bad_steps}); none of them was applied. The "
-                   "last good checkpoint is kept.")
+                   f"{config.max_bad_steps}); none of them was applied. "
+                   + (f"The last good checkpoint (step {kept[-1]}) is kept."
+                      if kept else "No checkpoint had been saved yet."))
       elif (evaluated and config.target_eval_loss is not None
             and eval_loss <= config.target_eval_loss):
         status, target_tokens = "target_reached", step * tokens_per_step
@@ -322,7 +380,8 @@ def train(config, workdir, callbacks=()):
       if step % config.checkpoint_every == 0 and bad_in_row == 0:
         ckpts.save(step, state, _data_states(batches))
     if eval_loss is None and status != "diverged":  # resumed a finished run
-      eval_loss = _evaluate(programs.eval, state.params, val_batches)
+      eval_loss, eval_step = _evaluate(programs.eval, state.params,
+                                       val_batches), step
     if status != "diverged" and step > 0:
       ckpts.save(step, state, _data_states(batches))
     ckpts.wait()
@@ -331,7 +390,7 @@ def train(config, workdir, callbacks=()):
   summary = dict(
       status=status, message=message, step=step,
       tokens=step * tokens_per_step, final_loss=last_loss,
-      final_eval_loss=eval_loss,
+      final_eval_loss=eval_loss, final_eval_step=eval_step,
       final_eval_perplexity=(math.exp(min(eval_loss, 700))
                              if eval_loss is not None else None),
       target_eval_loss=config.target_eval_loss, target_tokens=target_tokens,
@@ -341,7 +400,7 @@ def train(config, workdir, callbacks=()):
       tokens_per_s=((train_steps - 1) * tokens_per_step / steady_time
                     if steady_time > 0 else None))
   if main:
-    _write_json(os.path.join(workdir, "summary.json"), summary)
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
     _print_summary(summary)
   return summary
 
@@ -349,14 +408,16 @@ def train(config, workdir, callbacks=()):
 def _print_summary(s):
   lines = [f"fp4jax run {s['status']}" + (f": {s['message']}"
                                           if s["message"] else "")]
+  at = ("" if s["final_eval_step"] in (None, s["step"])
+        else f" (step {s['final_eval_step']})")
   fields = (("steps", s["step"], ","), ("tokens", s["tokens"], ","),
             ("final train loss", s["final_loss"], ".4f"),
-            ("final eval loss", s["final_eval_loss"], ".4f"),
-            ("final eval perplexity", s["final_eval_perplexity"], ".2f"),
+            (f"final eval loss{at}", s["final_eval_loss"], ".4f"),
+            (f"final eval perplexity{at}", s["final_eval_perplexity"], ".2f"),
             ("skipped steps", s["skipped_steps"], ","),
             ("tokens/s (after compile)", s["tokens_per_s"], ",.0f"),
             ("wall time (s)", s["wall_time_s"], ".1f"))
   for name, value, fmt in fields:
     if value is not None:
-      lines.append(f"  {name:<26}{value:{fmt}}")
+      lines.append(f"  {name:<26} {value:{fmt}}")
   print("\n".join(lines), flush=True)
