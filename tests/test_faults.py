@@ -147,9 +147,14 @@ def test_metrics_without_checkpoints_are_moved_aside(workdir, corpus):
   _kept(before, path)
 
 
-def test_an_unreadable_checkpoint_is_set_aside_under_a_new_name(workdir,
-                                                                 corpus):
+def test_a_stale_lock_and_an_unreadable_checkpoint(workdir, corpus):
+  """The lock of a killed run is taken over; the unreadable checkpoint at
+  step 4 is set aside without replacing an earlier one of that step."""
   path, before = workdir
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  (path / "lock").write_text(json.dumps(dict(
+      pid=dead.pid, host=socket.gethostname(), run_id="old")))
   (path / "checkpoints_corrupt" / "4").mkdir(parents=True)
   (path / "checkpoints_corrupt" / "4" / "earlier").write_text("kept")
   arrays = path / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
@@ -163,6 +168,8 @@ def test_an_unreadable_checkpoint_is_set_aside_under_a_new_name(workdir,
   assert (path / "checkpoints_corrupt" / "4" / "earlier").read_text() == "kept"
   _kept(before, path, readable=False)
   assert "resuming at step 2" in out
+  assert "stale lock" in out and f"process {dead.pid}" in out, out[-3000:]
+  assert "history/1" in out  # the rows of steps 3 and 4
 
 
 def test_a_second_run_on_a_locked_workdir_is_refused(workdir, corpus):
@@ -179,18 +186,6 @@ def test_a_second_run_on_a_locked_workdir_is_refused(workdir, corpus):
     holder.kill()
     holder.wait()
   os.remove(path / "lock")
-  _kept(before, path)
-
-
-def test_a_stale_lock_is_taken_over(workdir, corpus):
-  path, before = workdir
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
-  (path / "lock").write_text(json.dumps(dict(
-      pid=dead.pid, host=socket.gethostname(), run_id="old")))
-  rc, out = train(path, corpus)  # the finished run: only its summary
-  assert rc == 0, out[-3000:]
-  assert f"stale lock" in out and f"process {dead.pid}" in out, out[-3000:]
   _kept(before, path)
 
 
@@ -211,6 +206,17 @@ def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path):
   assert len(saved) == 1 and int(saved[0]) > 0, saved
   assert f"saved a checkpoint at step {saved[0]}" in out
   assert not os.path.exists(path / "lock")
+
+
+def test_divergence_before_any_checkpoint_says_so(tmp_path, corpus):
+  rc, out = run(f"--workdir={tmp_path / 'run'}", *TINY,
+                f"--config.data.path={corpus}/*.txt", "--config.steps=4",
+                "--config.nan_steps=1,2", "--config.max_bad_steps=2")
+  assert rc == 1, out[-3000:]
+  assert "No checkpoint had been saved yet" in out, out[-3000:]
+  assert "last good checkpoint" not in out
+  # The last evaluation is of step 0, and says so.
+  assert "final eval loss (step 0)" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------
@@ -254,6 +260,8 @@ def _bad_corpora(root):
   for i in range(3):
     (root / "badtxt" / f"{i}.txt").write_bytes(b"caf\xe9 au lait " * 40)
   cases["badtxt"] = ("*.txt", "invalid UTF-8 at byte 3")
+  shutil.copytree(root / "badtxt", root / "replaced")
+  cases["replaced"] = ("*.txt", "ACCEPTED")  # with decode_errors="replace"
   return cases
 
 
@@ -267,6 +275,7 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
       "for name, pattern in json.loads(sys.argv[1]).items():\n"
       "  cfg = data.data_config()\n"
       "  cfg.source, cfg.path, cfg.val_path = 'files', pattern, pattern\n"
+      "  cfg.decode_errors = 'replace' if name == 'replaced' else 'strict'\n"
       "  try:\n"
       "    it = data.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
       "    for _ in range(50): next(it)\n"
@@ -281,21 +290,13 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
   lines = dict(l.split(" ", 1) for l in result.stdout.splitlines())
   for name, (_, expected) in cases.items():
     assert expected in lines[name], (name, lines[name])
+  for i in range(3):  # 40 bytes replaced per file, each file named once
+    assert result.stderr.count(
+        f"replaced/{i}.txt: replaced 40 invalid UTF-8 bytes") == 1, result.stderr
   # The CLI: the same error is one line with exit status 2, before training.
   rc, out = run(f"--workdir={tmp_path / 'run'}", *TINY,
                 f"--config.data.path={patterns['truncated']}")
   _user_error(rc, out, "a.json.gz", "not a complete gzip file")
-
-
-def test_replaced_utf8_is_counted(tmp_path):
-  (tmp_path / "c").mkdir()
-  for i in range(4):
-    (tmp_path / "c" / f"{i}.txt").write_bytes(b"caf\xe9 au lait " * 40)
-  rc, out = run(f"--workdir={tmp_path / 'run'}", *TINY,
-                f"--config.data.path={tmp_path}/c/*.txt",
-                "--config.data.decode_errors=replace", "--config.steps=1")
-  assert rc == 0, out[-3000:]
-  assert "replaced 40 invalid UTF-8 bytes" in out, out[-3000:]
 
 
 # ---------------------------------------------------------------------------
