@@ -151,7 +151,7 @@ def summarize(runs, baseline="fp8", target=None, diverge_loss=None, target_at=1.
   if target is not None:
     targets = {None: float(target)}
   elif not base:
-    raise ValueError(f"no runs of the baseline {baseline!r} to take the target from; "
+    raise errors.UserError(f"no runs of the baseline {baseline!r} to take the target from; "
                      "give the target loss explicitly")
   else:
     targets = {r.seed: float(np.interp(target_at * r.tokens_T[-1], r.tokens_T, r.loss_T))
