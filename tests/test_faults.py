@@ -129,12 +129,11 @@ def test_a_config_change_on_resume_is_refused(workdir, corpus):
 
 def test_override_with_another_model_leaves_the_checkpoints(workdir, corpus):
   path, before = workdir
-  for _ in range(2):  # twice: nothing is set aside or replaced
-    rc, out = train(path, corpus, "--config.model.n_layers=2",
-                    "--override_resume")
-    _user_error(rc, out, "does not fit", "step 4", "left in place")
-    _kept(before, path)
-    assert not os.path.exists(path / "checkpoints_corrupt")
+  rc, out = train(path, corpus, "--config.model.n_layers=2",
+                  "--override_resume")
+  _user_error(rc, out, "does not fit", "step 4", "left in place")
+  _kept(before, path)
+  assert not os.path.exists(path / "checkpoints_corrupt")
 
 
 def test_metrics_without_checkpoints_are_moved_aside(workdir, corpus):
@@ -307,7 +306,7 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
     (["--config.stepz=5"], ["--config.stepz", "did you mean '--config.steps'"]),
     (["--config.model.n_layer=2"], ["did you mean '--config.model.n_layers'"]),
     (["--config=configs/nope.py"], ["configs/nope.py", "does not exist"]),
-    (["--workdri=x"], ["workdri"]),
+    (["--config.steps=abc"], ["--config.steps=abc"]),
 ])
 def test_config_mistakes_are_one_line(tmp_path, args, names):
   rc, out = run(f"--workdir={tmp_path / 'run'}", *args)
@@ -315,11 +314,27 @@ def test_config_mistakes_are_one_line(tmp_path, args, names):
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_a_workdir_that_is_a_file_is_refused(tmp_path, corpus):
+@pytest.mark.parametrize("case", ["workdir_is_a_file", "bad_tokenizer",
+                                  "damaged_config_json"])
+def test_paths_a_user_points_at(tmp_path, corpus, trained, case):
   (tmp_path / "file").write_text("x")
-  rc, out = train(tmp_path / "file", corpus)
-  _user_error(rc, out, "is a file")
+  (tmp_path / "tokenizer.json").write_text("{garbage")
+  workdir, extra, names = tmp_path / "run", [], []
+  if case == "workdir_is_a_file":
+    workdir, names = tmp_path / "file", ["is a file"]
+  elif case == "bad_tokenizer":
+    extra = [f"--config.data.tokenizer={tmp_path}/tokenizer.json"]
+    names = ["tokenizer.json", "cannot be read"]
+  else:
+    shutil.copytree(trained, workdir)
+    (workdir / "config.json").write_text("{")
+    names = ["config.json", "cannot be read"]
+  before = _records(workdir)
+  rc, out = train(workdir, corpus, *extra)
+  _user_error(rc, out, *names)
   assert (tmp_path / "file").read_text() == "x"
+  if os.path.isdir(workdir):
+    _kept(before, workdir)
 
 
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130),
@@ -344,6 +359,13 @@ def test_tool_clis(tmp_path):
   _user_error(rc, out, "missing", "not a directory")
   rc, out = run("--workdir=x", module="fp4jax.experiments.ablation")
   _user_error(rc, out, "--config and --workdir are required")
+  rc, out = run("--config=configs/ablation_tiny.py", "--workdir=x",
+                "--config.ablation.recipes=bf16,mxfp5",
+                module="fp4jax.experiments.ablation")
+  _user_error(rc, out, "unknown recipe 'mxfp5'")
+  rc, out = run(str(tmp_path), "--tagret=3",
+                module="fp4jax.experiments.report")
+  _user_error(rc, out, "--tagret=3", "did you mean '--target'")
   rc, out = run("--help", module="fp4jax.bench")
   assert rc == 0 and "dot_general" in out and "--recipes" in out, out[-3000:]
   assert "kernels" in out and "--backends" in out
