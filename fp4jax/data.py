@@ -41,18 +41,25 @@ byte) or "replace" (U+FFFD, counted in a warning per file).
 import collections
 import glob
 import gzip
-import codecs
 import hashlib
-import json
 import os
-import sys
 import sysconfig
 
 import grain
 import ml_collections
 import numpy as np
 
-from fp4jax import errors
+from fp4jax.data_files import DataError
+from fp4jax.data_files import Replacements
+from fp4jax.data_files import check_json_files
+from fp4jax.data_files import check_text_files
+from fp4jax.data_files import decode_errors_of
+from fp4jax.data_files import open_lines
+from fp4jax.data_files import parse_json
+from fp4jax.data_files import read_error
+from fp4jax.data_files import read_text
+from fp4jax.data_files import text_of
+from fp4jax.data_files import warn_replaced
 from fp4jax.tokenizers import make_tokenizer  # pylint: disable=unused-import
 
 SOURCES = ("stdlib", "files", "tfds")
@@ -61,13 +68,6 @@ JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 _STDLIB_SKIP = ("site-packages", "dist-packages", "__pycache__", "test",
                 "tests", "idle_test")
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-DECODE_ERRORS = ("strict", "replace")
-# Bytes of text files read at start-up to find some text in a corpus.
-_TEXT_PROBE_BYTES = 8 << 20
-
-
-class DataError(errors.UserError):
-  """A data file that cannot be used (named, with the line where known)."""
 
 
 def data_config():
@@ -83,37 +83,6 @@ def data_config():
       val_split="validation",
       decode_errors="strict",  # invalid UTF-8: "strict" (error) or "replace"
   ))
-
-
-class _Replacements:
-  """The codec error handler "fp4jax.replace": U+FFFD, counted."""
-  count = 0
-
-  @classmethod
-  def handle(cls, error):
-    cls.count += error.end - error.start
-    return "\ufffd", error.end
-
-
-codecs.register_error("fp4jax.replace", _Replacements.handle)
-_WARNED = set()
-
-
-def _warn_replaced(path, before):
-  """Warns once per file when reading it replaced invalid UTF-8 bytes."""
-  n = _Replacements.count - before
-  if n and path not in _WARNED:
-    _WARNED.add(path)
-    print(f"fp4jax.data: {path}: replaced {n} invalid UTF-8 bytes with U+FFFD "
-          "(data.decode_errors='replace')", file=sys.stderr, flush=True)
-
-
-def _decode_errors(cfg):
-  policy = cfg.get("decode_errors", "strict")
-  if policy not in DECODE_ERRORS:
-    raise ValueError(f"data.decode_errors {policy!r} is not one of "
-                     f"{DECODE_ERRORS}")
-  return "fp4jax.replace" if policy == "replace" else "strict"
 
 
 def _in_validation(key, fraction):
@@ -141,58 +110,6 @@ def stdlib_files(val_fraction=0.05):
   val = [p for p in paths if _in_validation(p, val_fraction)]
   train = [p for p in paths if not _in_validation(p, val_fraction)]
   return root, train, val
-
-
-def _read_text(path, decode_errors="strict"):
-  """The text of a .txt file; DataError naming it if unreadable."""
-  before = _Replacements.count
-  try:
-    with open(path, "rb") as f:
-      text = f.read().decode("utf-8", errors=decode_errors)
-  except UnicodeDecodeError as e:
-    raise DataError(f"{path}: invalid UTF-8 at byte {e.start} ({e.reason}); "
-                    "fix the file or set data.decode_errors='replace'") from None
-  except OSError as e:
-    raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
-  _warn_replaced(path, before)
-  return text
-
-
-def _open_lines(path, decode_errors="strict"):
-  """Text lines of a JSON-lines file, gzipped or not."""
-  if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8", errors=decode_errors)
-  return open(path, encoding="utf-8", errors=decode_errors)
-
-
-def _read_error(path, line, error):
-  """DataError for an exception raised reading `line` (1-based) of `path`."""
-  if isinstance(error, UnicodeDecodeError):
-    why = (f"invalid UTF-8 ({error.reason}); fix the file or set "
-           "data.decode_errors='replace'")
-  elif isinstance(error, (EOFError, gzip.BadGzipFile)) or "gzip" in str(
-      error).lower() or "compressed" in str(error).lower():
-    why = f"not a complete gzip file ({error})"
-  else:
-    why = f"cannot be read ({error})"
-  return DataError(f"{path} line {line}: {why}")
-
-
-def _parse(raw, where):
-  try:
-    return json.loads(raw)
-  except ValueError as e:
-    raise DataError(f"{where}: malformed JSON ({e})") from None
-
-
-def _text_of(record, text_key, where):
-  text = record.get(text_key) if isinstance(record, dict) else None
-  if text is None:
-    fields = (sorted(record) if isinstance(record, dict)
-              else type(record).__name__)
-    raise DataError(f"{where}: no field {text_key!r} (data.text_key); "
-                    f"found {fields}.")
-  return text.decode("utf-8") if isinstance(text, bytes) else text
 
 
 class _JsonLinesReader:
@@ -223,7 +140,7 @@ class _JsonLinesReader:
       self._read_line()
     raw, where, after = self.queues[row].popleft()
     self.after[row] = after
-    return _text_of(_parse(raw, where), self.text_key, where)
+    return text_of(parse_json(raw, where), self.text_key, where)
 
   def restore(self, row, after):
     """Puts `row` back to position `after`; rereads from the earliest row."""
@@ -248,17 +165,17 @@ class _JsonLinesReader:
       self._pos, self._epoch_count = pos, pos["count"] if at_epoch_start else -1
     pos, index = self._pos, self._file_index()
     path = self.files[index]
-    before = _Replacements.count
+    before = Replacements.count
     try:
       if self._lines is None:
-        self._lines = _open_lines(path, self.decode_errors)
+        self._lines = open_lines(path, self.decode_errors)
         for _ in range(pos["line"]):
           self._lines.readline()
       raw = self._lines.readline()
     except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
       self._close()
-      raise _read_error(path, pos["line"] + 1, e) from None
-    _warn_replaced(path, before)
+      raise read_error(path, pos["line"] + 1, e) from None
+    warn_replaced(path, before)
     if not raw:
       self._close()
       pos["file"], pos["line"] = pos["file"] + 1, 0
@@ -396,59 +313,6 @@ def _glob(pattern, what):
   return files, [os.path.relpath(os.path.abspath(f), root) for f in files]
 
 
-def _check_json_files(files, text_key, decode_errors):
-  """Start-up checks of JSON-lines files (DataError naming file and line).
-
-  Every .gz file starts with the gzip magic bytes and every file's first
-  record parses and has `text_key`. Files are then read in order until one
-  record has text (at most _TEXT_PROBE_BYTES of lines): a corpus read to the
-  end without text is refused.
-  """
-  for path in files:
-    if path.endswith(".gz"):
-      try:
-        with open(path, "rb") as f:
-          magic = f.read(2)
-      except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror})") from None
-      if magic != b"\x1f\x8b":
-        raise DataError(f"{path}: not a gzip file (it ends in .gz); "
-                        "compress it or drop the .gz suffix.")
-    _json_records(path, text_key, decode_errors, first_only=True)
-  probed = 0
-  for path in files:
-    for text, size in _json_records(path, text_key, decode_errors):
-      if text.strip():
-        return
-      probed += size
-      if probed > _TEXT_PROBE_BYTES:
-        return  # too much to read at start-up; assume text follows
-  raise DataError(f"no text in the {len(files)} files of data.path: every "
-                  f"record's {text_key!r} field is empty, e.g. {files[0]}.")
-
-
-def _json_records(path, text_key, decode_errors, first_only=False):
-  """Yields (text, line bytes) of the records of a JSON-lines file."""
-  number = 0
-  try:
-    with _open_lines(path, decode_errors) as lines:
-      for number, raw in enumerate(lines, 1):
-        if raw.strip():
-          where = f"{path} line {number}"
-          yield _text_of(_parse(raw, where), text_key, where), len(raw)
-          if first_only:
-            return
-  except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
-    raise _read_error(path, number + 1, e) from None
-
-
-def _check_text_files(files):
-  """Refuses a .txt corpus whose files are all empty."""
-  if not any(os.path.getsize(f) for f in files):
-    raise DataError(f"no text in the {len(files)} files of data.path: all are "
-                    f"empty, e.g. {files[0]}.")
-
-
 def _corpus(cfg, split):
   """The documents (str) of split "train" or "validation".
 
@@ -467,13 +331,13 @@ def _corpus(cfg, split):
       raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
                        f"files (data.val_fraction={cfg.val_fraction}).")
     return grain.MapDataset.source(rels).map(
-        lambda rel: _read_text(os.path.join(root, rel)))
+        lambda rel: read_text(os.path.join(root, rel)))
   if cfg.source == "files":
     if not cfg.path:
       raise ValueError("data.source='files' needs data.path, a glob such as "
                        "'/data/c4/en/c4-train.*.json.gz'.")
     by_hash = not cfg.val_path
-    decode_errors = _decode_errors(cfg)
+    decode_errors = decode_errors_of(cfg)
     pattern, what = ((cfg.val_path, "data.val_path") if validation and
                      not by_hash else (cfg.path, "data.path"))
     files, rels = _glob(pattern, what)
@@ -486,10 +350,10 @@ def _corpus(cfg, split):
                          f"files falls in {split} (data.val_fraction="
                          f"{cfg.val_fraction}); add files or set "
                          "data.val_path.")
-      _check_text_files(chosen)
+      check_text_files(chosen)
       return grain.MapDataset.source(chosen).map(
-          lambda path: _read_text(path, decode_errors))
-    _check_json_files(files, cfg.text_key, decode_errors)
+          lambda path: read_text(path, decode_errors))
+    check_json_files(files, cfg.text_key, decode_errors)
     fraction = cfg.val_fraction
 
     def keep(rel, line):
@@ -511,9 +375,9 @@ def _corpus(cfg, split):
                        "as 'c4/en:3.0.1'.")
     name = cfg.val_split if validation else cfg.train_split
     source = tfds.data_source(cfg.path, split=name)
-    _text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
+    text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
     return grain.MapDataset.source(source).map(
-        lambda record: _text_of(record, cfg.text_key, cfg.path))
+        lambda record: text_of(record, cfg.text_key, cfg.path))
   raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
                    f"{SOURCES}.")
 

@@ -249,7 +249,7 @@ def train(config, workdir, callbacks=(), *, override_resume=False):
   row; the last good checkpoint is kept).
 
   The workdir is locked for the run. A workdir that holds a run of a config
-  differing in a key outside workdir.RESUMABLE_KEYS is refused (ConfigError)
+  differing in a key outside workdir.RESUMABLE_KEYS is refused (WorkdirError)
   unless `override_resume`, which continues it with the new values. User
   errors (config, data, workdir, a checkpoint that does not fit) raise
   fp4jax.errors.UserError subclasses with a one-line message.
