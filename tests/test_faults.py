@@ -136,16 +136,6 @@ def test_override_with_another_model_leaves_the_checkpoints(workdir, corpus):
   assert not os.path.exists(path / "checkpoints_corrupt")
 
 
-def test_metrics_without_checkpoints_are_moved_aside(workdir, corpus):
-  path, before = workdir
-  shutil.rmtree(path / "checkpoints")
-  before = (set(), before[1])
-  rc, out = train(path, corpus, "--config.steps=1")
-  assert rc == 0, out[-3000:]
-  assert "no readable checkpoint" in out and "history/1" in out, out[-3000:]
-  _kept(before, path)
-
-
 def test_a_stale_lock_and_an_unreadable_checkpoint(workdir, corpus):
   """The lock of a killed run is taken over; the unreadable checkpoint at
   step 4 is set aside without replacing an earlier one of that step."""
@@ -192,7 +182,7 @@ def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path):
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   lines = [json.dumps({"text": f"record {i} " * 3}) for i in range(12)]
-  lines[7] = '{"text": "cut off'
+  lines[3] = '{"text": "cut off'
   (corpus / "a.jsonl").write_text("\n".join(lines) + "\n")
   path = tmp_path / "run"
   rc, out = run(f"--workdir={path}", *TINY,
@@ -200,22 +190,27 @@ def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path):
                 "--config.data.val_path=" + str(corpus / "a.jsonl"),
                 "--config.steps=20", "--config.checkpoint_every=100",
                 "--config.eval_every=100")
-  _user_error(rc, out, "a.jsonl line 8", "malformed JSON")
+  _user_error(rc, out, "a.jsonl line 4", "malformed JSON")
   saved = os.listdir(path / "checkpoints")
   assert len(saved) == 1 and int(saved[0]) > 0, saved
   assert f"saved a checkpoint at step {saved[0]}" in out
   assert not os.path.exists(path / "lock")
 
 
-def test_divergence_before_any_checkpoint_says_so(tmp_path, corpus):
-  rc, out = run(f"--workdir={tmp_path / 'run'}", *TINY,
-                f"--config.data.path={corpus}/*.txt", "--config.steps=4",
-                "--config.nan_steps=1,2", "--config.max_bad_steps=2")
+def test_metrics_without_checkpoints_then_divergence(workdir, corpus):
+  """No readable checkpoint: the rows go to history/1 before step 0 starts
+  again; that run then diverges before its first checkpoint and says so."""
+  path, before = workdir
+  shutil.rmtree(path / "checkpoints")
+  before = (set(), before[1])
+  rc, out = train(path, corpus, "--config.nan_steps=1,2",
+                  "--config.max_bad_steps=2", "--config.eval_every=100")
   assert rc == 1, out[-3000:]
+  assert "no readable checkpoint" in out and "history/1" in out, out[-3000:]
   assert "No checkpoint had been saved yet" in out, out[-3000:]
   assert "last good checkpoint" not in out
-  # The last evaluation is of step 0, and says so.
-  assert "final eval loss (step 0)" in out, out[-3000:]
+  assert "final eval loss (step 0)" in out, out[-3000:]  # not of step 2
+  _kept(before, path)
 
 
 # ---------------------------------------------------------------------------
