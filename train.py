@@ -9,24 +9,40 @@ fp4jax.trainer.base_config). `--config.quant=NAME` is shorthand for
 `--config.quant.name=NAME` (a preset of fp4jax.recipe_names()); per-role
 overrides stay available, e.g. --config.quant.wgrad.hadamard.block=32.
 
+Rerunning a workdir resumes it; only the keys in fp4jax.workdir.RESUMABLE_KEYS
+(steps, eval/log/checkpoint cadence, target_eval_loss, max_bad_steps, mesh,
+...) may differ from its config.json, unless --override_resume is given.
+
 Exit status: 0 when the run completed, reached its target or was stopped by
-a signal (after saving a checkpoint); 1 when it diverged; 2 on a bad config.
+a signal in the training loop (after saving a checkpoint); 1 when it
+diverged; 2 on a user error (config, data, workdir: one line naming it);
+130 / 143 for SIGINT / SIGTERM during start-up, before the loop.
 """
 
 import sys
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
+# Before the heavy imports: a signal during start-up ends the run cleanly.
+from fp4jax import errors  # pylint: disable=g-bad-import-order
 
-from fp4jax import trainer
+errors.exit_on_signals("train.py")
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/default.py", "ml_collections config file.")
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+from fp4jax import cli  # pylint: disable=g-import-not-at-top
+from fp4jax import trainer  # pylint: disable=g-import-not-at-top
+
+_DEFAULT_CONFIG = "configs/default.py"
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Run directory (checkpoints, metrics, summary).",
     required=True)
+_OVERRIDE_RESUME = flags.DEFINE_bool(
+    "override_resume", False,
+    "Resume a workdir even though keys other than fp4jax.workdir."
+    "RESUMABLE_KEYS differ from its config.json (its checkpoints must still "
+    "fit the model); the previous config.json is kept under history/.")
 
 
 def main(argv):
@@ -35,14 +51,20 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
-    summary = trainer.train(_CONFIG.value, _WORKDIR.value)
-  except trainer.ConfigError as e:
-    print(f"train.py: {e}", file=sys.stderr)
-    return 2
+    summary = trainer.train(flags.FLAGS.config, _WORKDIR.value,
+                            override_resume=_OVERRIDE_RESUME.value)
+  except errors.UserError as e:
+    return errors.report("train.py", e)
   return 1 if summary["status"] == "diverged" else 0
 
 
 if __name__ == "__main__":
-  # config_flags reads sys.argv itself to find overrides, so rewrite it there.
+  # config_flags reads sys.argv itself to find overrides, so rewrite it first.
   sys.argv = trainer.expand_quant_flag(sys.argv)
-  app.run(main)
+  try:
+    cli.check_config_overrides(sys.argv, default=_DEFAULT_CONFIG)
+  except errors.UserError as e:
+    sys.exit(errors.report("train.py", e))
+  config_flags.DEFINE_config_file(
+      "config", _DEFAULT_CONFIG, "ml_collections config file.")
+  app.run(main, flags_parser=cli.flags_parser("train.py"))

@@ -2,18 +2,66 @@
 
 A checkpoint holds two items: `state` (the TrainState pytree, saved sharded)
 and `data` (the data iterator's JSON state). A checkpoint that cannot be read
-is moved aside to `<directory>/../checkpoints_corrupt/<step>` with a warning
+is moved aside to `<directory>/../checkpoints_corrupt/<step>` (`<step>.2`,
+... when that name is taken: nothing there is ever replaced) with a warning
 and the previous one is tried, so a run killed while writing, or a damaged
-disk, costs at most one checkpoint interval.
+disk, costs at most one checkpoint interval. A readable checkpoint whose
+arrays do not fit the requested state (another model shape or optimizer) is
+not corrupt: `CheckpointMismatch` is raised and it stays where it is.
 """
 
 import logging
 import os
 import shutil
 
+import jax
 import orbax.checkpoint as ocp
 
+from fp4jax import errors
+
 _ITEMS = ("state", "data")
+
+
+class CheckpointMismatch(errors.UserError):
+  """A readable checkpoint holds another tree or other shapes than asked."""
+
+
+def _leaf_shapes(tree):
+  """{"params/block_0/attn/q/kernel": shape} of a pytree's array leaves."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if leaf is None or not hasattr(leaf, "shape"):
+      continue
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+             for k in path]
+    out["/".join(names)] = tuple(leaf.shape)
+  return out
+
+
+def _mismatch(saved, wanted):
+  """A description of how two {path: shape} maps differ ("" if they agree).
+
+  Paths are compared without list indices (optax states are tuples in
+  memory, lists on disk) by their sorted order.
+  """
+  if sorted(saved.values()) == sorted(wanted.values()) and len(saved) == len(
+      wanted):
+    return ""
+  missing = sorted(wanted.keys() - saved.keys())
+  extra = sorted(saved.keys() - wanted.keys())
+  shapes = sorted(k for k in saved.keys() & wanted.keys()
+                  if saved[k] != wanted[k])
+  parts = []
+  if shapes:
+    parts.append(f"{len(shapes)} arrays have other shapes, e.g. {shapes[0]} "
+                 f"{saved[shapes[0]]} in the checkpoint vs "
+                 f"{wanted[shapes[0]]} asked")
+  if missing:
+    parts.append(f"{len(missing)} arrays are not in it, e.g. {missing[0]}")
+  if extra:
+    parts.append(f"{len(extra)} arrays of it are not asked, e.g. {extra[0]}")
+  return "; ".join(parts) or (f"{len(saved)} arrays in the checkpoint vs "
+                              f"{len(wanted)} asked")
 
 
 class Checkpoints:
@@ -27,7 +75,9 @@ class Checkpoints:
         cleanup_tmp_directories=True,
         create=True)
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=_ITEMS)
+        self.directory, options=options,
+        item_handlers=dict(state=ocp.StandardCheckpointHandler(),
+                           data=ocp.JsonCheckpointHandler()))
 
   def steps(self):
     """Committed checkpoint steps, oldest first."""
@@ -55,7 +105,9 @@ class Checkpoints:
     state comes back with those shardings (so it may be restored onto another
     mesh). Returns None when there is no readable checkpoint.
     """
+    wanted = _leaf_shapes(abstract_state)
     for step in reversed(self.steps()):
+      self._check_fits(step, wanted)
       try:
         restored = self._manager.restore(
             step,
@@ -69,15 +121,34 @@ class Checkpoints:
       return step, restored["state"], restored["data"]
     return None
 
+  def _check_fits(self, step, wanted):
+    """CheckpointMismatch if the metadata of `step` is readable and its
+    arrays differ from `wanted`; an unreadable one is left to the restore."""
+    try:
+      saved = self._manager.item_metadata(step)["state"]
+      saved = _leaf_shapes(getattr(saved, "tree", saved))
+    except Exception:  # pylint: disable=broad-except
+      return
+    if not saved:
+      return
+    why = _mismatch(saved, wanted)
+    if why:
+      raise CheckpointMismatch(
+          f"the checkpoint at step {step} in {self.directory} does not fit "
+          f"this config ({why}); it is readable and was left in place. Run "
+          "with the config it was written with (config.json), or use a new "
+          "workdir.")
+
   def _set_aside(self, step, error):
     """Moves an unreadable checkpoint out of the way, with a warning."""
     src = os.path.join(self.directory, str(step))
     dst_dir = os.path.join(os.path.dirname(self.directory),
                            "checkpoints_corrupt")
     os.makedirs(dst_dir, exist_ok=True)
-    dst = os.path.join(dst_dir, str(step))
-    if os.path.exists(dst):
-      shutil.rmtree(dst)
+    dst, n = os.path.join(dst_dir, str(step)), 1
+    while os.path.exists(dst):
+      n += 1
+      dst = os.path.join(dst_dir, f"{step}.{n}")
     shutil.move(src, dst)
     logging.warning(
         "Checkpoint at step %d could not be read (%s: %s); moved it to %s "

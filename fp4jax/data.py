@@ -35,13 +35,20 @@ validation is read in order and is the same for every run and recipe:
 `validation_windows` (what the trainer evaluates on) spreads its windows
 evenly through the held-out stream, `validation_batches` packs it from the
 start of each document.
+
+Bad files: a file that cannot be read or decoded, a malformed JSON line, a
+record without the text field, or a corpus without any text raises DataError
+naming the file (and line), at start-up where it is cheap to see (every
+.json.gz is gzip, every file's first record parses and has the field, the
+corpus has text), else when the reader reaches it. data.decode_errors sets
+what invalid UTF-8 becomes: "strict" (default: DataError naming the file and
+byte) or "replace" (U+FFFD, counted in a warning per file).
 """
 
 import collections
 import glob
 import gzip
 import hashlib
-import json
 import os
 import sysconfig
 
@@ -49,6 +56,17 @@ import grain
 import ml_collections
 import numpy as np
 
+from fp4jax.data_files import DataError
+from fp4jax.data_files import Replacements
+from fp4jax.data_files import check_json_files
+from fp4jax.data_files import check_text_files
+from fp4jax.data_files import decode_errors_of
+from fp4jax.data_files import open_lines
+from fp4jax.data_files import parse_json
+from fp4jax.data_files import read_error
+from fp4jax.data_files import read_text
+from fp4jax.data_files import text_of
+from fp4jax.data_files import warn_replaced
 from fp4jax.tokenizers import make_tokenizer  # pylint: disable=unused-import
 
 SOURCES = ("stdlib", "files", "tfds")
@@ -73,6 +91,7 @@ def data_config():
       train_split="train",  # tfds splits
       val_split="validation",
       data_dir="",          # tfds data_dir ("" = $TFDS_DATA_DIR or ~/tensorflow_datasets)
+      decode_errors="strict",  # invalid UTF-8: "strict" (error) or "replace"
   ))
 
 
@@ -103,27 +122,6 @@ def stdlib_files(val_fraction=0.05):
   return root, train, val
 
 
-def _read_text(path):
-  with open(path, "rb") as f:
-    return f.read().decode("utf-8", errors="replace")
-
-
-def _open_lines(path):
-  """Text lines of a JSON-lines file, gzipped or not."""
-  if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
-
-
-def _text_of(record, text_key, where):
-  text = record.get(text_key) if isinstance(record, dict) else None
-  if text is None:
-    fields = sorted(record) if isinstance(record, dict) else type(record)
-    raise ValueError(f"{where}: no field {text_key!r} (data.text_key); "
-                     f"found {fields}.")
-  return text.decode("utf-8") if isinstance(text, bytes) else text
-
-
 class _JsonLinesReader:
   """Streams JSON-lines files once per process for all its rows.
 
@@ -137,8 +135,9 @@ class _JsonLinesReader:
   """
 
   def __init__(self, files, relpaths, text_key, keep, seed, rows,
-               global_batch):
+               global_batch, decode_errors="strict"):
     self.files, self.relpaths, self.text_key = files, relpaths, text_key
+    self.decode_errors = decode_errors
     self.keep, self.seed, self.global_batch = keep, seed, global_batch
     start = dict(epoch=0, file=0, line=0, count=0)
     self.after = {r: dict(start) for r in rows}
@@ -151,7 +150,7 @@ class _JsonLinesReader:
       self._read_line()
     raw, where, after = self.queues[row].popleft()
     self.after[row] = after
-    return _text_of(json.loads(raw), self.text_key, where)
+    return text_of(parse_json(raw, where), self.text_key, where)
 
   def restore(self, row, after):
     """Puts `row` back to position `after`; rereads from the earliest row."""
@@ -175,18 +174,25 @@ class _JsonLinesReader:
       # Count at the epoch's start; unknown (-1) when restarting mid-epoch.
       self._pos, self._epoch_count = pos, pos["count"] if at_epoch_start else -1
     pos, index = self._pos, self._file_index()
-    if self._lines is None:
-      self._lines = _open_lines(self.files[index])
-      for _ in range(pos["line"]):
-        self._lines.readline()
-    raw = self._lines.readline()
+    path = self.files[index]
+    before = Replacements.count
+    try:
+      if self._lines is None:
+        self._lines = open_lines(path, self.decode_errors)
+        for _ in range(pos["line"]):
+          self._lines.readline()
+      raw = self._lines.readline()
+    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
+      self._close()
+      raise read_error(path, pos["line"] + 1, e) from None
+    warn_replaced(path, before)
     if not raw:
       self._close()
       pos["file"], pos["line"] = pos["file"] + 1, 0
       if pos["file"] == len(self.files):
         if pos["count"] == self._epoch_count:
-          raise ValueError(f"no documents in {self.files} for this split "
-                           "(see data.val_fraction, data.val_path).")
+          raise DataError(f"no documents in {self.files} for this split "
+                          "(see data.val_fraction, data.val_path).")
         pos["epoch"], pos["file"] = pos["epoch"] + 1, 0
         self._epoch_count = pos["count"]
       return
@@ -277,7 +283,13 @@ class BatchIterator:
     return self
 
   def __next__(self):
-    return np.stack([next(r) for r in self._rows])
+    """The next batch; after an error, the position is the one before it."""
+    state = self.get_state()
+    try:
+      return np.stack([next(r) for r in self._rows])
+    except Exception:
+      self.set_state(state)
+      raise
 
   def get_state(self):
     return dict(self._key, rows=[r.get_state() for r in self._rows])
@@ -311,15 +323,6 @@ def _glob(pattern, what):
   return files, [os.path.relpath(os.path.abspath(f), root) for f in files]
 
 
-def _check_text_key(path, text_key):
-  """Fails at start when the first record of `path` lacks the text field."""
-  with _open_lines(path) as lines:
-    for number, raw in enumerate(lines):
-      if raw.strip():
-        _text_of(json.loads(raw), text_key, f"{path} line {number + 1}")
-        return
-
-
 def _corpus(cfg, split):
   """The documents (str) of split "train" or "validation".
 
@@ -338,12 +341,13 @@ def _corpus(cfg, split):
       raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
                        f"files (data.val_fraction={cfg.val_fraction}).")
     return grain.MapDataset.source(rels).map(
-        lambda rel: _read_text(os.path.join(root, rel)))
+        lambda rel: read_text(os.path.join(root, rel)))
   if cfg.source == "files":
     if not cfg.path:
       raise ValueError("data.source='files' needs data.path, a glob such as "
                        "'/data/c4/en/c4-train.*.json.gz'.")
     by_hash = not cfg.val_path
+    decode_errors = decode_errors_of(cfg)
     pattern, what = ((cfg.val_path, "data.val_path") if validation and
                      not by_hash else (cfg.path, "data.path"))
     files, rels = _glob(pattern, what)
@@ -356,8 +360,10 @@ def _corpus(cfg, split):
                          f"files falls in {split} (data.val_fraction="
                          f"{cfg.val_fraction}); add files or set "
                          "data.val_path.")
-      return grain.MapDataset.source(chosen).map(_read_text)
-    _check_text_key(files[0], cfg.text_key)
+      check_text_files(chosen)
+      return grain.MapDataset.source(chosen).map(
+          lambda path: read_text(path, decode_errors))
+    check_json_files(files, cfg.text_key, decode_errors)
     fraction = cfg.val_fraction
 
     def keep(rel, line):
@@ -365,7 +371,8 @@ def _corpus(cfg, split):
                                               fraction) == wanted
 
     return lambda seed, rows, global_batch: _JsonLinesReader(
-        files, rels, cfg.text_key, keep, seed, rows, global_batch)
+        files, rels, cfg.text_key, keep, seed, rows, global_batch,
+        decode_errors)
   if cfg.source == "tfds":
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -386,9 +393,9 @@ def _corpus(cfg, split):
           f"{cfg.data_dir!r}) cannot be read: {str(e).splitlines()[0]} "
           "Prepare it offline as ArrayRecord, e.g. `tfds build c4/en "
           "--file_format=array_record --data_dir=DIR`.") from e
-    _text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
+    text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
     return grain.MapDataset.source(source).map(
-        lambda record: _text_of(record, cfg.text_key, cfg.path))
+        lambda record: text_of(record, cfg.text_key, cfg.path))
   raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
                    f"{SOURCES}.")
 

@@ -32,6 +32,7 @@ of 4/3 (relative 2^-24).
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -227,9 +228,19 @@ def _from_blocks(xb, axis, n):
 
 
 def _check_axis(axis, ndim):
-  """axis as a non-negative index; ValueError when out of range."""
+  """axis as a non-negative index; TypeError when not an int, ValueError
+  when out of range."""
+  allowed = f"an int in [{-ndim}, {ndim})"
+  try:
+    if isinstance(axis, bool):
+      raise TypeError
+    axis = operator.index(axis)
+  except TypeError:
+    raise TypeError(f"axis must be {allowed} for an array of rank {ndim}, "
+                    f"got {axis!r} ({type(axis).__name__})") from None
   if not -ndim <= axis < ndim:
-    raise ValueError(f"axis {axis} out of range for an array of rank {ndim}")
+    raise ValueError(f"axis {axis} out of range for an array of rank {ndim}; "
+                     f"allowed: {allowed}")
   return axis % ndim
 
 

@@ -27,9 +27,17 @@ def _truncate_after(path, step):
     return
   with open(path) as f:
     rows = [line for line in f if line.strip()]
-  kept = [line for line in rows if json.loads(line)["step"] <= step]
+  kept = [line for line in rows if row_step(line) <= step]
   with open(path, "w") as f:
     f.writelines(kept)
+
+
+def row_step(line):
+  """A row's step; inf for a line a killed run left half-written."""
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return math.inf
 
 
 def _tensorboard_writer(logdir):

@@ -10,20 +10,32 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
+from fp4jax import errors
 from fp4jax.metrics_log import read_metrics
 
 
 def eval_curve(workdir):
-  """(tokens, eval_loss) lists of a run, in step order (non-finite kept)."""
-  rows = [r for r in read_metrics(workdir) if r.get("eval_loss") is not None]
+  """(tokens, eval_loss) lists of a run, in step order (non-finite kept).
+
+  UserError when `workdir` is not a directory or has no evaluated rows.
+  """
+  if not os.path.isdir(workdir):
+    raise errors.UserError(f"run directory {workdir!r} does not exist; give "
+                           "workdirs written by train.py")
+  try:
+    rows = [r for r in read_metrics(workdir) if r.get("eval_loss") is not None]
+  except ValueError as e:
+    raise errors.UserError(f"{workdir}/metrics.jsonl is damaged ({e})") from None
   if not rows:
-    raise ValueError(f"{workdir}: no metrics.jsonl rows with an eval_loss")
+    raise errors.UserError(f"{workdir}: no metrics.jsonl rows with an "
+                           "eval_loss")
   rows.sort(key=lambda r: r["step"])
   return [r["tokens"] for r in rows], [r["eval_loss"] for r in rows]
 
@@ -42,7 +54,7 @@ def plot_runs(workdirs, out, labels=None, title=None):
   """Draws every run's eval-loss curve into `out` (PNG); returns `out`."""
   labels = labels or [_label(w) for w in workdirs]
   if len(labels) != len(workdirs):
-    raise ValueError(f"{len(labels)} labels for {len(workdirs)} runs")
+    raise errors.UserError(f"{len(labels)} labels for {len(workdirs)} runs")
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for workdir, label in zip(workdirs, labels):
     tokens, losses = eval_curve(workdir)
@@ -69,8 +81,14 @@ def main(argv=None):
   parser.add_argument("--labels", nargs="+", help="one label per run")
   parser.add_argument("--title")
   args = parser.parse_args(argv)
-  print(plot_runs(args.workdirs, args.out, args.labels, args.title))
+  try:
+    print(plot_runs(args.workdirs, args.out, args.labels, args.title))
+  except errors.UserError as e:
+    return errors.report(parser.prog, e)
+  except OSError as e:  # the output PNG cannot be written
+    return errors.report(parser.prog, f"cannot write {args.out!r}: {e}")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

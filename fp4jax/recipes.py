@@ -184,7 +184,6 @@ def _four_over_six(roles):
 
 
 def _presets():
-  mxfp4 = _mx()
   mxfp8 = _mx("mxfp8_e4m3", scale_mode="rceil")
   nv, nv_sr = QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")
   nv_w = QuantSpec("nvfp4", block_2d=True)  # 16x16 weight tiles: one W for Fprop and Dgrad

@@ -264,12 +264,19 @@ def check_blocks(model_cfg, recipe, mesh: Mesh, *, micro_batch: int,
           if not block:
             continue
           local = _local(mesh, axis, layer=layer, what=f"{role} {operand}")
-          if local % block:
+          if local % block == 0:
+            continue
+          if local == math.prod(size for _, size in axis):  # not split
             raise ValueError(
                 f"layer {layer}: {role} contracts the {contracted} axis; "
-                f"operand {operand} has local size {local} per device on mesh "
-                f"{dict(mesh.shape)}, not a multiple of the {kind} {block}, "
-                f"so a block would straddle two devices")
+                f"operand {operand} has size {local} along it, not a "
+                f"multiple of the {kind} {block} (choose sizes divisible "
+                f"by {block} or a recipe with a smaller block)")
+          raise ValueError(
+              f"layer {layer}: {role} contracts the {contracted} axis; "
+              f"operand {operand} has local size {local} per device on mesh "
+              f"{dict(mesh.shape)}, not a multiple of the {kind} {block}, "
+              f"so a block would straddle two devices")
 
 
 # ---------------------------------------------------------------------------

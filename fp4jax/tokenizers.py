@@ -133,6 +133,14 @@ def make_tokenizer(name_or_path):
         "(or a directory holding one).")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"tokenizer file {path!r} does not exist.")
-  if path.endswith(".model"):
-    return SentencePieceTokenizer(path)
-  return HuggingFaceTokenizer(path)
+  kind = SentencePieceTokenizer if path.endswith(".model") else (
+      HuggingFaceTokenizer)
+  try:
+    return kind(path)
+  except ImportError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # sentencepiece and tokenizers raise RuntimeError / Exception on bad files.
+    raise ValueError(f"tokenizer file {path!r} cannot be read as a "
+                     f"{kind.__name__[:-len('Tokenizer')]} tokenizer: "
+                     f"{str(e).splitlines()[0][:200]}") from None

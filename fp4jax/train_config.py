@@ -42,6 +42,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from fp4jax import data
+from fp4jax import errors
 from fp4jax import model as model_lib
 from fp4jax import recipes
 from fp4jax import sharding
@@ -126,7 +127,7 @@ def base_config():
   ))
 
 
-class ConfigError(ValueError):
+class ConfigError(errors.UserError):
   """A config value, name or path that cannot work (raised before training)."""
 
 

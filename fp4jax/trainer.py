@@ -13,8 +13,10 @@ fp4jax.data. Nothing else is
 random, so a run (and a resumed run) is bitwise reproducible on CPU.
 
 Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
-checkpoints/<step>/, summary.json. A workdir that holds a checkpoint resumes
-from its newest readable one.
+checkpoints/<step>/, summary.json, lock (while a run holds it), history/
+(records a restart set aside). A workdir that holds a checkpoint resumes from
+its newest readable one, with the config it was started with: see
+fp4jax.workdir for the keys that may change and the lock.
 """
 
 import dataclasses
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -38,6 +41,7 @@ from fp4jax import model as model_lib
 from fp4jax import schedule
 from fp4jax import sharding
 from fp4jax import train_step
+from fp4jax import workdir as workdir_lib
 from fp4jax.checkpointing import Checkpoints
 from fp4jax.metrics_log import MetricsLog
 # Re-exported: configs and CLIs use trainer.base_config() etc.
@@ -57,6 +61,7 @@ def _start(config):
   iterator, local validation batches).
   """
   try:
+    sharding.initialize_distributed(config.distributed)
     check(config)
     tokenizer = data.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = resolve(config, tokenizer)
@@ -87,21 +92,6 @@ def _start(config):
   return model_cfg, segs, mesh, batches, val_local
 
 
-def _json_default(x):
-  if isinstance(x, (np.generic, jax.Array)):
-    return np.asarray(x).tolist()
-  if isinstance(x, tuple):
-    return list(x)
-  return str(x)
-
-
-def _write_json(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=_json_default)
-  os.replace(tmp, path)
-
-
 class _StopSignals:
   """SIGTERM/SIGINT set a flag (a second one interrupts at once)."""
 
@@ -127,6 +117,44 @@ class _StopSignals:
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+class _SaveOnError:
+  """Saves a checkpoint when the loop stops on an exception between steps.
+
+  An error in the data, the metrics or a callback (anything but the step
+  itself, whose input state is donated) leaves the state after the last
+  completed step; it is saved (with the data position before the failed
+  batch, see data.BatchIterator) before the exception goes on, as on SIGTERM.
+  `track(step_fn)` wraps the jitted step to know when that state exists.
+  """
+
+  def __init__(self, ckpts, batches):
+    self._ckpts, self._batches = ckpts, batches
+    self._state = None  # None before the first step and while a step runs
+
+  def track(self, step_fn):
+    def tracked(state, batch):
+      self._state = None
+      out = step_fn(state, batch)
+      self._state = out[0]
+      return out
+    return tracked
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, error, traceback):
+    if not isinstance(error, Exception) or self._state is None:
+      return False
+    if jax.process_count() > 1:  # saving needs every process: not on one's error
+      return False
+    step = int(self._state.step)
+    self._ckpts.save(step, self._state, _data_states(self._batches))
+    self._ckpts.wait()
+    print(f"fp4jax: stopping at step {step} on {type(error).__name__}; saved "
+          f"a checkpoint at step {step} first.", file=sys.stderr, flush=True)
+    return False
 
 
 _OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
@@ -204,7 +232,11 @@ def _restore_data_state(batches, saved):
     raise ConfigError(
         f"the checkpoint's data iterator was saved by {len(states)} "
         f"processes; resuming it with {jax.process_count()} is not supported")
-  batches.set_state(states[jax.process_index()])
+  try:
+    batches.set_state(states[jax.process_index()])
+  except ValueError as e:
+    raise ConfigError(f"cannot resume the checkpoint's data position: {e}"
+                      " (was batch_size or the data changed?)") from None
 
 
 def _evaluate(eval_fn, params, val_batches):
@@ -224,7 +256,7 @@ def _evaluate(eval_fn, params, val_batches):
               eval_batch_losses=[round(float(x), 6) for x in losses])
 
 
-def train(config, workdir, callbacks=()):
+def train(config, workdir, callbacks=(), *, override_resume=False):
   """Trains (or resumes) the run `config` in `workdir`; returns the summary.
 
   callbacks: each is called as cb(step, state, batch) after every step
@@ -235,15 +267,32 @@ def train(config, workdir, callbacks=()):
   summary["status"]: "completed", "target_reached", "interrupted" (a signal;
   a checkpoint was saved) or "diverged" (max_bad_steps non-finite steps in a
   row; the last good checkpoint is kept).
+
+  The workdir is locked for the run. A workdir that holds a run of a config
+  differing in a key outside workdir.RESUMABLE_KEYS is refused (WorkdirError)
+  unless `override_resume`, which continues it with the new values. User
+  errors (config, data, workdir, a checkpoint that does not fit) raise
+  fp4jax.errors.UserError subclasses with a one-line message.
   """
   t_start = time.time()
-  sharding.initialize_distributed(config.distributed)
   model_cfg, segs, mesh, batches, val_local = _start(config)
+  workdir_lib.prepare(workdir)
+  lock = workdir_lib.WorkdirLock(workdir).acquire()
+  try:
+    workdir_lib.check_resume_config(workdir, config, override=override_resume)
+    return _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
+                batches, val_local)
+  finally:
+    lock.release()
+
+
+def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
+         batches, val_local):
+  """train() once the config is checked and the workdir locked."""
   recipe = segs[0].recipe
   init_source = init_from.open_source(config.init_from, model_cfg)
   micro_batch = _micro_batch(config)
   main = sharding.is_main_process()
-  os.makedirs(workdir, exist_ok=True)
   segment_programs = [_programs(
       model_cfg, seg.recipe,
       tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
@@ -264,6 +313,8 @@ def train(config, workdir, callbacks=()):
     _, state, data_state = restored
     _restore_data_state(batches, data_state)
   start = int(state.step)
+  if main:
+    workdir_lib.set_aside_history(workdir, start)
   n_params = sum(math.prod(x.shape) for x in
                  jax.tree.leaves(abstract.params))
   if main:
@@ -273,7 +324,7 @@ def train(config, workdir, callbacks=()):
         n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
         resumed_from_step=start,
         quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
-    _write_json(os.path.join(workdir, "config.json"), resolved)
+    workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
         f"{recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
@@ -284,14 +335,17 @@ def train(config, workdir, callbacks=()):
   log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
                    enabled=main)
   status, message = "completed", ""
-  eval_loss = target_tokens = last_loss = None
+  eval_loss = eval_step = target_tokens = last_loss = None
   train_time, train_steps, steady_time = 0.0, 0, 0.0
   pending_time, pending_steps = 0.0, 0
   step = start
-  programs = segment_programs[schedule.segment_index(segs, start)]
-  with sharding.use_mesh(mesh), _StopSignals() as signals:
+  with (sharding.use_mesh(mesh), _StopSignals() as signals,
+        _SaveOnError(ckpts, batches) as on_error):
+    segment_programs = [dataclasses.replace(p, step=on_error.track(p.step))
+                        for p in segment_programs]
+    programs = segment_programs[schedule.segment_index(segs, start)]
     if start == 0:
-      evaluation = _evaluate(programs.eval, state.params, val_batches)
+      evaluation, eval_step = _evaluate(programs.eval, state.params, val_batches), 0
       eval_loss = evaluation["eval_loss"]
       log.write(dict(step=0, tokens=0, **evaluation,
                      eval_perplexity=math.exp(min(eval_loss, 700))))
@@ -327,17 +381,20 @@ def train(config, workdir, callbacks=()):
       row.update(extra)
       evaluated = step % config.eval_every == 0 or step == config.steps
       if evaluated:
-        evaluation = _evaluate(programs.eval, state.params, val_batches)
+        evaluation, eval_step = _evaluate(programs.eval, state.params, val_batches), step
         eval_loss = evaluation["eval_loss"]
         row.update(**evaluation,
                    eval_perplexity=math.exp(min(eval_loss, 700)))
       bad_in_row = int(metrics["bad_in_row"])
       if bad_in_row >= config.max_bad_steps:
         status = "diverged"
+        ckpts.wait()
+        kept = ckpts.steps()
         message = (f"stopped at step {step}: {bad_in_row} steps in a row had "
                    f"a non-finite loss or gradient (max_bad_steps="
-                   f"{config.max_bad_steps}); none of them was applied. The "
-                   "last good checkpoint is kept.")
+                   f"{config.max_bad_steps}); none of them was applied. "
+                   + (f"The last good checkpoint (step {kept[-1]}) is kept."
+                      if kept else "No checkpoint had been saved yet."))
       elif (evaluated and config.target_eval_loss is not None
             and eval_loss <= config.target_eval_loss):
         status, target_tokens = "target_reached", step * tokens_per_step
@@ -355,6 +412,7 @@ def train(config, workdir, callbacks=()):
         ckpts.save(step, state, _data_states(batches))
     if eval_loss is None and status != "diverged":  # resumed a finished run
       eval_loss = _evaluate(programs.eval, state.params, val_batches)["eval_loss"]
+      eval_step = step
     if status != "diverged" and step > 0:
       ckpts.save(step, state, _data_states(batches))
     ckpts.wait()
@@ -363,7 +421,7 @@ def train(config, workdir, callbacks=()):
   summary = dict(
       status=status, message=message, step=step,
       tokens=step * tokens_per_step, final_loss=last_loss,
-      final_eval_loss=eval_loss,
+      final_eval_loss=eval_loss, final_eval_step=eval_step,
       final_eval_perplexity=(math.exp(min(eval_loss, 700))
                              if eval_loss is not None else None),
       target_eval_loss=config.target_eval_loss, target_tokens=target_tokens,
@@ -373,7 +431,7 @@ def train(config, workdir, callbacks=()):
       tokens_per_s=((train_steps - 1) * tokens_per_step / steady_time
                     if steady_time > 0 else None))
   if main:
-    _write_json(os.path.join(workdir, "summary.json"), summary)
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
     _print_summary(summary)
   return summary
 
@@ -381,14 +439,16 @@ def train(config, workdir, callbacks=()):
 def _print_summary(s):
   lines = [f"fp4jax run {s['status']}" + (f": {s['message']}"
                                           if s["message"] else "")]
+  at = ("" if s["final_eval_step"] in (None, s["step"])
+        else f" (step {s['final_eval_step']})")
   fields = (("steps", s["step"], ","), ("tokens", s["tokens"], ","),
             ("final train loss", s["final_loss"], ".4f"),
-            ("final eval loss", s["final_eval_loss"], ".4f"),
-            ("final eval perplexity", s["final_eval_perplexity"], ".2f"),
+            (f"final eval loss{at}", s["final_eval_loss"], ".4f"),
+            (f"final eval perplexity{at}", s["final_eval_perplexity"], ".2f"),
             ("skipped steps", s["skipped_steps"], ","),
             ("tokens/s (after compile)", s["tokens_per_s"], ",.0f"),
             ("wall time (s)", s["wall_time_s"], ".1f"))
   for name, value, fmt in fields:
     if value is not None:
-      lines.append(f"  {name:<26}{value:{fmt}}")
+      lines.append(f"  {name:<26} {value:{fmt}}")
   print("\n".join(lines), flush=True)

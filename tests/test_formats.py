@@ -68,6 +68,10 @@ def test_bad_inputs():
                           formats.QuantSpec("mxfp4", rounding="stochastic"))
   with pytest.raises(ValueError, match="axis 2 out of range"):
     formats.quantize(jnp.ones((4, 32)), spec, axis=2)
+  for axis in (1.5, "1", None, True):
+    with pytest.raises(TypeError, match=r"axis must be an int in \[-2, 2\)"):
+      formats.quantize(jnp.ones((4, 32)), spec, axis=axis)
+  assert formats.quantize(jnp.ones((4, 32)), spec, axis=np.int64(1)).axis == 1
   with pytest.raises(TypeError, match="QuantSpec"):
     formats.quantize(jnp.ones((32,)), "mxfp4")
   with pytest.raises(TypeError, match="int32"):

@@ -404,3 +404,14 @@ def test_the_trainer_refuses_a_straddling_mesh_at_start(tmp_path):
                      r".*local size 16.*MX block 32"):
     trainer.train(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_check_blocks_on_an_unsplit_axis_speaks_of_the_size_not_devices():
+  # dim 40 on one device: the axis is whole, just not a multiple of 32.
+  cfg = dataclasses.replace(TINY, dim=40, n_heads=2, n_kv_heads=1)
+  with pytest.raises(ValueError) as err:
+    sharding.check_blocks(cfg, recipes.recipe("mxfp4"), _mesh(1, 1, 1),
+                          micro_batch=8, seq_len=32)
+  msg = str(err.value)
+  assert "has size 40 along it, not a multiple of the MX block 32" in msg, msg
+  assert "straddle" not in msg and "per device" not in msg

@@ -1,1 +1,34 @@
-"""Benchmarks that print ratios measured in one run: `python -m fp4jax.bench NAME`."""
+"""Benchmarks that print ratios measured in one run: `python -m fp4jax.bench NAME`.
+
+Each benchmark module has `parser()` (its argparse flags) and `main(argv)`;
+`positive_int` and `recipe_list` are the flag types they share, so a bad
+value is one argparse line with exit status 2.
+"""
+
+import argparse
+
+
+def positive_int(text):
+  """argparse type: an int >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+  return value
+
+
+def choice_list(allowed, what):
+  """argparse type: comma-separated names, each one of `allowed`."""
+
+  def parse(text):
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+      raise argparse.ArgumentTypeError(
+          f"unknown {what} {bad[0] if bad else text!r}; allowed: "
+          f"{', '.join(allowed)}")
+    return names
+
+  return parse

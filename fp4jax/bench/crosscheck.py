@@ -261,15 +261,20 @@ def markdown(rows, reference_name):
   return "\n".join(lines)
 
 
-def main(argv):
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench crosscheck")
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench crosscheck",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--save", help="run the XLA cases here and save their bits (.npz)")
   p.add_argument("--against", help="the .npz another backend saved")
   p.add_argument("--out", help="write OUT.json and OUT.md")
   p.add_argument("--rows", type=int, default=32, help="rows per input class")
   p.add_argument("--n", type=int, default=1024, help="row length (a multiple of 32)")
   p.add_argument("--linear", default="256,512,256", help="M,K,N of the dot_general cases")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv):
+  args = parser().parse_args(argv)
   linear = tuple(int(v) for v in args.linear.split(","))
   if args.save:
     save_reference(args.save, args.rows, args.n, linear)

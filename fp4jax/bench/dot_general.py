@@ -24,6 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from fp4jax import dot, recipes
+from fp4jax.bench import choice_list, positive_int
 
 _DIMS = (((1,), (0,)), ((), ()))
 
@@ -61,14 +62,21 @@ def _qwix_mxfp4():
   return name, lambda x, w: qt.dot_general_qt(x, w, _DIMS, cfg)
 
 
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench dot_general",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--m", type=positive_int, default=4096, help="rows of X")
+  p.add_argument("--k", type=positive_int, default=1024, help="contraction")
+  p.add_argument("--n", type=positive_int, default=1024, help="columns of W")
+  p.add_argument("--repeats", type=positive_int, default=30)
+  p.add_argument("--recipes", type=choice_list(recipes.recipe_names(), "recipe"),
+                 default="mxfp4,mxfp4-dh16",
+                 help="comma-separated presets of fp4jax.recipe_names()")
+  return p
+
+
 def main(argv):
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench dot_general")
-  p.add_argument("--m", type=int, default=4096)
-  p.add_argument("--k", type=int, default=1024)
-  p.add_argument("--n", type=int, default=1024)
-  p.add_argument("--repeats", type=int, default=30)
-  p.add_argument("--recipes", default="mxfp4,mxfp4-dh16")
-  args = p.parse_args(argv)
+  args = parser().parse_args(argv)
 
   kx, kw, ky = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (args.m, args.k), jnp.float32)
@@ -77,7 +85,7 @@ def main(argv):
 
   variants = {"bf16": _recipe_fn(recipes.recipe("bf16")),
               "plain, bf16 operands": _bf16_operands}
-  for name in args.recipes.split(","):
+  for name in args.recipes:
     r = recipes.recipe(name)
     variants[name] = _recipe_fn(r)
     variants[f"{name}, f32 compute"] = _recipe_fn(dataclasses.replace(r, compute_dtype="float32"))

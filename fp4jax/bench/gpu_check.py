@@ -157,12 +157,17 @@ STAGES = {"env": env_stage, "quantize": quantize_stage, "linear": linear_stage,
           "native": native_stage}
 
 
-def main(argv):
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_check")
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_check",
+                              description=__doc__.splitlines()[0])
   p.add_argument("stage", choices=sorted(STAGES))
   p.add_argument("--work", required=True, help="directory for STAGE.json and STAGE.md")
   p.add_argument("--tiny", action="store_true", help="CPU dry-run sizes")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv):
+  args = parser().parse_args(argv)
   os.makedirs(args.work, exist_ok=True)
   result, md = STAGES[args.stage](args.tiny, args.work)
   with open(os.path.join(args.work, f"{args.stage}.json"), "w") as f:

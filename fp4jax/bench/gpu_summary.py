@@ -136,11 +136,16 @@ def summarize(work):
   return result, "\n".join(lines) + "\n"
 
 
-def main(argv):
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_summary")
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_summary",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--work", required=True)
   p.add_argument("--out", required=True)
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv):
+  args = parser().parse_args(argv)
   result, md = summarize(args.work)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "summary.json"), "w") as f:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from fp4jax import dot, formats, hadamard, recipes
 from fp4jax.bench import hlo_stats
+from fp4jax.bench import choice_list, positive_int
 from fp4jax.bench.dot_general import fwd_bwd
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
@@ -254,19 +255,33 @@ def run(size, linear, repeats, backends):
           + "\n")
 
 
-def main(argv):
+def _dims(text):
+  """argparse type: M,K,N as three ints >= 1."""
+  dims = [positive_int(v) for v in text.split(",")]
+  if len(dims) != 3:
+    raise argparse.ArgumentTypeError(f"{text!r} is not M,K,N (three ints)")
+  return tuple(dims)
+
+
+def parser():
   on_gpu = jax.default_backend() == "gpu"
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench kernels")
-  p.add_argument("--size", type=int, default=8192 if on_gpu else 2048)
-  p.add_argument("--linear", default="16384,4096,14336" if on_gpu else "1024,1024,1024",
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench kernels",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--size", type=positive_int, default=8192 if on_gpu else 2048)
+  p.add_argument("--linear", type=_dims,
+                 default="16384,4096,14336" if on_gpu else "1024,1024,1024",
                  help="M,K,N of the linear layer")
-  p.add_argument("--repeats", type=int, default=20 if on_gpu else 5)
-  p.add_argument("--backends", default="xla,pallas" if on_gpu else "xla",
+  p.add_argument("--repeats", type=positive_int, default=20 if on_gpu else 5)
+  p.add_argument("--backends", type=choice_list(("xla", "pallas"), "backend"),
+                 default="xla,pallas" if on_gpu else "xla",
                  help="dot_general backends of the mxfp4-dh16 linear")
   p.add_argument("--out", default=None, help="also write the table to this file")
-  args = p.parse_args(argv)
-  linear = tuple(int(v) for v in args.linear.split(","))
-  table = run(args.size, linear, args.repeats, args.backends.split(","))
+  return p
+
+
+def main(argv):
+  args = parser().parse_args(argv)
+  table = run(args.size, args.linear, args.repeats, args.backends)
   cmd = "python -m fp4jax.bench kernels " + " ".join(argv)
   table = f"`{cmd.strip()}`\n\n" + table
   sys.stdout.write(table)

@@ -94,8 +94,9 @@ def measure(cfg, peak_tflops, config_steps=None):
       device=jax.devices()[0].device_kind)
 
 
-def main(argv):
-  p = argparse.ArgumentParser(prog="python -m fp4jax.bench train_speed")
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench train_speed",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/ablation_gpu.py")
   p.add_argument("--recipe", default="bf16")
   p.add_argument("--backend", default="xla")
@@ -105,7 +106,11 @@ def main(argv):
   p.add_argument("--scan_layers", action="store_true",
                  help="scan over the blocks (shorter compile, same model)")
   p.add_argument("--out", help="write the result (JSON) here")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv):
+  args = parser().parse_args(argv)
   config = load_config(args.config)
   config_steps = config.steps
   cfg = run_config(config, args.recipe, args.backend, args.steps, args.tiny, args.scan_layers)

@@ -38,8 +38,15 @@ interrupted ablation still holds complete pairs.
 import copy
 import json
 import os
+import sys
 import time
 
+from fp4jax import errors  # pylint: disable=g-bad-import-order
+
+if __name__ == "__main__":  # before the heavy imports: see errors.exit_on_signals
+  errors.exit_on_signals("python -m fp4jax.experiments.ablation")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -48,6 +55,7 @@ import ml_collections
 from ml_collections import config_dict
 from ml_collections import config_flags
 
+from fp4jax import cli
 from fp4jax import data
 from fp4jax import diagnostics
 from fp4jax import model as model_lib
@@ -55,7 +63,9 @@ from fp4jax import recipes as recipes_lib
 from fp4jax import train_config
 from fp4jax import train_step
 from fp4jax import trainer
+from fp4jax import workdir as workdir_lib
 from fp4jax.experiments import report
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_RECIPES = ("bf16", "fp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4", "mxfp4-sr",
                    "mxfp4-rh16", "mxfp4-dh16", "mxfp4-floor", "mxfp4-dh16-floor",
@@ -79,14 +89,17 @@ def diagnostics_config() -> ml_collections.ConfigDict:
 
 
 def recipe_list(config) -> list[str]:
-  """The recipes of config.ablation.recipes; unknown names raise ValueError."""
+  """The recipes of config.ablation.recipes; unknown names raise ConfigError."""
   names = [n.strip() for n in config.ablation.recipes.split(",") if n.strip()]
   if not names:
-    raise ValueError("config.ablation.recipes is empty")
+    raise train_config.ConfigError("config.ablation.recipes is empty")
   for name in names:
-    recipes_lib.recipe(name)
+    try:
+      recipes_lib.recipe(name)
+    except ValueError as e:
+      raise train_config.ConfigError(f"config.ablation.recipes: {e}") from None
   if config.ablation.target_loss is None and config.ablation.baseline not in names:
-    raise ValueError(f"the baseline {config.ablation.baseline!r} is not among the recipes "
+    raise train_config.ConfigError(f"the baseline {config.ablation.baseline!r} is not among the recipes "
                      f"{names}; add it or set config.ablation.target_loss")
   return names
 
@@ -165,10 +178,11 @@ def run_ablation(config, workdir) -> list:
   """Runs (or resumes) every run of the ablation, then writes the report; returns its rows."""
   names = recipe_list(config)
   if config.ablation.seeds < 1:
-    raise ValueError(f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
+    raise train_config.ConfigError(
+        f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
   counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
-  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.prepare(workdir)
   with open(os.path.join(workdir, "ablation_config.json"), "w") as f:
     f.write(config.to_json(indent=2))
   if config.ablation.compilation_cache:
@@ -214,14 +228,25 @@ def main(argv):
   del argv
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
   if config is None or workdir is None:
-    raise app.UsageError("--config and --workdir are required")
+    return errors.report(_PROG, "--config and --workdir are required, e.g. "
+                         "--config=configs/ablation_tiny.py --workdir=runs/ablation")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  run_ablation(config, workdir)
+  try:
+    run_ablation(config, workdir)
+  except errors.UserError as e:
+    return errors.report(_PROG, e)
+  return 0
 
+
+_PROG = "python -m fp4jax.experiments.ablation"
 
 if __name__ == "__main__":
+  try:
+    cli.check_config_overrides(sys.argv)
+  except errors.UserError as e:
+    sys.exit(errors.report(_PROG, e))
   # Flags are defined here, not at import: config files import this module.
   config_flags.DEFINE_config_file("config", None, "ablation config file", lock_config=True)
   flags.DEFINE_string("workdir", None, "directory of the ablation's runs")
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser(_PROG))

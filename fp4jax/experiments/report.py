@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from fp4jax import errors
 from fp4jax.experiments import plots
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
@@ -152,7 +153,7 @@ def summarize(runs, baseline="fp8", target=None, diverge_loss=None, target_at=1.
   if target is not None:
     targets = {None: float(target)}
   elif not base:
-    raise ValueError(f"no runs of the baseline {baseline!r} to take the target from; "
+    raise errors.UserError(f"no runs of the baseline {baseline!r} to take the target from; "
                      "give the target loss explicitly")
   else:
     targets = {r.seed: float(np.interp(target_at * r.tokens_T[-1], r.tokens_T, r.loss_T))
@@ -390,7 +391,7 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   """Writes table.md, curves.png, diagnostics.png, snr.png and <run>/diagnostics.png; returns rows."""
   runs = load_runs(workdir, recipes)
   if not runs:
-    raise ValueError(f"no runs with metrics.jsonl under {workdir!r}")
+    raise errors.UserError(f"no runs with metrics.jsonl under {workdir!r}")
   note = target_note(baseline, target is not None, target_at)
   rows, targets, diverge_loss = summarize(runs, baseline, target, diverge_loss, target_at)
   diag = diag_summary(runs)
@@ -411,15 +412,45 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   return rows
 
 
+_USAGE = ("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "
+          "[--target_at=FRACTION] [--baseline=NAME]")
+_OPTIONS = {"target": float, "target_at": float, "baseline": str}
+
+
+def _options(args):
+  """{name: value} of --name=value arguments; UserError naming a bad one."""
+  opts = {}
+  for arg in args:
+    name, eq, value = arg.lstrip("-").partition("=")
+    if not arg.startswith("--") or not eq or name not in _OPTIONS:
+      raise errors.UserError(f"unknown argument {arg!r}"
+                             f"{errors.did_you_mean(name, _OPTIONS, '--')}; "
+                             + _USAGE)
+    try:
+      opts[name] = _OPTIONS[name](value)
+    except ValueError:
+      raise errors.UserError(f"--{name}={value!r} is not a number") from None
+  return opts
+
+
 def main(argv):
   """Redraws the report; defaults come from WORKDIR/ablation_config.json when present."""
-  if len(argv) < 2:
-    sys.exit("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "
-             "[--target_at=FRACTION] [--baseline=NAME]")
-  workdir = argv[1]
+  prog = "python -m fp4jax.experiments.report"
+  try:
+    if len(argv) < 2:
+      raise errors.UserError(_USAGE)
+    _redraw(argv[1], _options(argv[2:]))
+  except errors.UserError as e:
+    return errors.report(prog, e)
+  return 0
+
+
+def _redraw(workdir, opts):
+  if not os.path.isdir(workdir):
+    raise errors.UserError(f"{workdir!r} is not a directory; give the "
+                           "--workdir of an ablation")
   saved = _read_json(os.path.join(workdir, "ablation_config.json")) or {}
   ab, diag = saved.get("ablation", {}), saved.get("diagnostics", {})
-  opts = dict(a[2:].split("=", 1) for a in argv[2:])
   target = opts.get("target", ab.get("target_loss"))
   write_report(
       workdir, ab["recipes"].split(",") if "recipes" in ab else None,
@@ -434,4 +465,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  sys.exit(main(sys.argv))

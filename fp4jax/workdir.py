@@ -1,0 +1,306 @@
+"""What keeps a workdir whole: its lock, its config on resume, its history.
+
+- `WorkdirLock`: WORKDIR/lock (JSON: pid, host, run id, start time) is taken
+  at start-up and removed on every exit. A second run on the same workdir is
+  refused with the holder's pid and host; a lock whose process is dead (same
+  host) is stale and taken over with a message. The processes of one
+  multi-host run share the workdir: process 0 takes the lock with a run id it
+  broadcasts to the others, who check that the lock holds that id.
+- `check_resume_config`: a workdir belongs to the config in its config.json.
+  Only the keys in RESUMABLE_KEYS may differ when it is run again; any other
+  difference is refused (naming the keys) unless the caller overrides.
+- `set_aside_history`: metrics rows a (re)start would drop (all of them for a
+  start at step 0; those after the checkpoint's step for a resume) are kept:
+  metrics.jsonl, summary.json and config.json are copied to
+  WORKDIR/history/<n>/ first, with a message naming it.
+"""
+
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from fp4jax import errors
+from fp4jax import metrics_log
+
+# Config keys that may differ between the config.json of a workdir and the
+# config it is resumed with (a key also covers everything below it). Every
+# other key (model, quant, data, batch_size, micro_batch, seq_len, dtype,
+# seed, lr and its schedule, optimizer, eval set) is fixed by the workdir.
+# `steps` may grow or shrink: the cosine schedule follows the new value.
+RESUMABLE_KEYS = ("steps", "eval_every", "log_every", "checkpoint_every",
+                  "keep_checkpoints", "async_checkpointing", "target_eval_loss",
+                  "max_bad_steps", "nan_steps", "mesh", "distributed")
+
+LOCK_FILE = "lock"
+
+
+class WorkdirError(errors.UserError):
+  """The workdir cannot be used as asked (exit status 2 in the CLIs)."""
+
+
+def json_default(x):
+  """json.dump default: NumPy / JAX values as lists, tuples as lists."""
+  if isinstance(x, (np.generic, jax.Array)):
+    return np.asarray(x).tolist()
+  if isinstance(x, tuple):
+    return list(x)
+  return str(x)
+
+
+def write_json(path, obj):
+  """Writes obj as JSON to path atomically (a temporary file, then rename)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, default=json_default)
+  os.replace(tmp, path)
+
+
+def prepare(workdir):
+  """Creates `workdir` if needed; WorkdirError if it is not a writable dir."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirError(f"workdir {workdir!r} is a file, not a directory; "
+                       "give a directory (it is created if missing).")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirError(f"cannot create workdir {workdir!r}: "
+                       f"{e.strerror}") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise WorkdirError(f"workdir {workdir!r} is not writable; give a "
+                       "directory you can write to.")
+
+
+# ---------------------------------------------------------------------------
+# The lock.
+
+
+def _pid_alive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # alive, another user's
+    return True
+  return True
+
+
+def _run_id():
+  """An id every process of this run agrees on (process 0's random token)."""
+  token = np.frombuffer(os.urandom(8), np.uint8)
+  if jax.process_count() > 1:
+    token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+  return bytes(token.astype(np.uint8)).hex()
+
+
+class WorkdirLock:
+  """WORKDIR/lock for one run (all processes of it); see the module doc."""
+
+  def __init__(self, workdir):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.run_id = None
+    self._held = False
+
+  def acquire(self):
+    """Takes the lock (process 0) or checks it (others); WorkdirError if
+    another run holds it. Returns self."""
+    self.run_id = _run_id()
+    error = None
+    if jax.process_index() == 0:
+      try:
+        self._create()
+      except WorkdirError as e:
+        error = e
+    if jax.process_count() > 1:
+      ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+      if error is None and not int(ok):
+        error = WorkdirError(f"process 0 could not lock {self.path} (see its "
+                             "output)")
+      if error is None and jax.process_index() > 0:
+        error = self._check_shared()
+    if error is not None:
+      raise error
+    errors.on_signal_exit(self.release)
+    return self
+
+  def _record(self):
+    return dict(pid=os.getpid(), host=socket.gethostname(), run_id=self.run_id,
+                processes=jax.process_count(),
+                started=time.strftime("%Y-%m-%d %H:%M:%S"))
+
+  def _create(self):
+    for _ in range(2):  # the second try follows a stale lock's removal
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        self._take_over_if_stale()
+        continue
+      with os.fdopen(fd, "w") as f:
+        json.dump(self._record(), f)
+      self._held = True
+      return
+    raise WorkdirError(f"could not take the lock {self.path}")
+
+  def _read(self):
+    try:
+      with open(self.path) as f:
+        return json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}  # being written, or damaged: treated as held
+
+  def _take_over_if_stale(self):
+    holder = self._read()
+    if holder is None:
+      return  # released meanwhile
+    host, pid = holder.get("host"), holder.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int) and (
+        not _pid_alive(pid)):
+      os.remove(self.path)
+      print(f"fp4jax: took over the stale lock {self.path} of process {pid} "
+            f"on {host}, which is no longer running.", file=sys.stderr,
+            flush=True)
+      return
+    where = (f"process {pid} on host {host} (since {holder.get('started')})"
+             if holder else "another process (unreadable lock file)")
+    raise WorkdirError(
+        f"workdir {os.path.dirname(self.path)!r} is in use by {where}; wait "
+        f"for it to finish, use another workdir, or delete {self.path} if "
+        "that process is gone.")
+
+  def _check_shared(self):
+    """Processes > 0: a lock visible here must be this run's."""
+    holder = self._read()
+    if holder is None:  # the workdir is not shared with process 0
+      return None
+    if holder.get("run_id") != self.run_id:
+      return WorkdirError(
+          f"workdir {os.path.dirname(self.path)!r} is locked by process "
+          f"{holder.get('pid')} on host {holder.get('host')}, which is not "
+          "process 0 of this run.")
+    return None
+
+  def release(self):
+    """Removes the lock if this process holds it (safe to call twice)."""
+    errors.forget_signal_exit(self.release)
+    if not self._held:
+      return
+    self._held = False
+    holder = self._read()
+    if holder and holder.get("run_id") == self.run_id:
+      os.remove(self.path)
+
+
+# ---------------------------------------------------------------------------
+# The config on resume.
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flat(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+def _resumable(key):
+  return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
+
+
+def config_differences(requested, saved):
+  """[(key, saved value, requested value)] of the keys that may not change.
+
+  requested, saved: config dicts (saved as read from config.json; its
+  "resolved" block is ignored). Keys only one side has (a key added to or
+  removed from fp4jax since the workdir was written) are not compared.
+  """
+  requested = json.loads(json.dumps(requested, default=json_default))
+  new, old = _flat(requested), _flat(
+      {k: v for k, v in saved.items() if k != "resolved"})
+  return [(k, old[k], new[k]) for k in sorted(new.keys() & old.keys())
+          if new[k] != old[k] and not _resumable(k)]
+
+
+def check_resume_config(workdir, config, *, override=False):
+  """Refuses to continue `workdir` with a config that changes fixed keys.
+
+  Returns the differing keys (empty when the workdir has no config.json or
+  nothing fixed differs); WorkdirError unless `override` when there are.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return []
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise WorkdirError(f"{path} cannot be read ({e}); it records the run of "
+                       "this workdir: repair it or use another workdir.") from None
+  diffs = config_differences(config.to_dict(), saved)
+  if diffs and not override:
+    shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:6])
+    more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
+    raise WorkdirError(
+        f"workdir {workdir!r} holds a run with another config ({shown}{more}); "
+        f"only {', '.join(RESUMABLE_KEYS)} may change on resume. Use a new "
+        "workdir, the config in config.json, or --override_resume to "
+        "continue this run with the new values.")
+  if diffs:
+    dst = _keep_records(workdir)
+    print(f"fp4jax: resuming with changed {', '.join(k for k, _, _ in diffs)} "
+          f"(override); the previous config.json is kept in {dst}",
+          file=sys.stderr, flush=True)
+  return [k for k, _, _ in diffs]
+
+
+# ---------------------------------------------------------------------------
+# History.
+
+
+def set_aside_history(workdir, start_step):
+  """Copies the run's records to WORKDIR/history/<n>/ when a start at
+  `start_step` would drop metrics rows; returns that directory or None."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    steps = [metrics_log.row_step(line) for line in f if line.strip()]
+  dropped = [s for s in steps if s > start_step or start_step == 0]
+  if not dropped:
+    return None
+  dst = _keep_records(workdir)
+  why = ("there is no readable checkpoint, so the run starts again at step 0 "
+         f"and metrics.jsonl starts afresh ({len(dropped)} rows)"
+         if start_step == 0 else f"the newest readable checkpoint is at step "
+         f"{start_step}, so the {len(dropped)} metrics rows after it are "
+         "dropped from metrics.jsonl")
+  print(f"fp4jax: {why}; the previous metrics.jsonl, config.json and "
+        f"summary.json are kept in {dst}", file=sys.stderr, flush=True)
+  return dst
+
+
+
+def _keep_records(workdir):
+  """Copies metrics.jsonl, summary.json, config.json to a new
+  WORKDIR/history/<n>/ (n = 1, 2, ...: nothing is replaced); returns it."""
+  root = os.path.join(workdir, "history")
+  os.makedirs(root, exist_ok=True)
+  n = 1
+  while os.path.exists(os.path.join(root, str(n))):
+    n += 1
+  dst = os.path.join(root, str(n))
+  os.makedirs(dst)
+  for name in ("metrics.jsonl", "summary.json", "config.json"):
+    if os.path.exists(os.path.join(workdir, name)):
+      shutil.copy2(os.path.join(workdir, name), dst)
+  return dst
