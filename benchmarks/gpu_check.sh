@@ -45,7 +45,7 @@ python3 -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" \
   || { echo "no GPU backend: see $OUT/env.txt"; exit 1; }
 
 timeout 200 python3 -m pytest -q -p no:cacheprovider --durations=10 \
-  tests/test_kernels.py tests/test_native.py 2>&1 | tee "$OUT/gpu_tests.log"
+  tests/test_kernels.py tests/test_backends.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=$?
 
 timeout 240 python3 -m fp4jax.bench kernels --out "$OUT/performance.md" 2>&1 \
