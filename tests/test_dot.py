@@ -40,14 +40,22 @@ def _close(got, want):
 # ------------------------------------------------------------- the reference
 
 def _q(a, spec, h, signs, axis, key, cdt):
-  """What the documentation says an operand becomes: (pad,) rotate, quantize, cast."""
+  """What the documentation says an operand becomes: (pad,) rotate, quantize, cast.
+
+  Returns (values, factor): the float32 per-tensor factor (NVFP4 global scale,
+  dither's 4/3) is left for the GEMM's output; per-tensor FP8 keeps its scale
+  in float32 values.
+  """
   if h is not None:
     pad = -a.shape[axis] % h.block
     a = jnp.pad(a, [(0, pad if d == axis else 0) for d in range(a.ndim)])
     a = hadamard.rotate(a, h.block, axis, signs)
-  if spec is not None:
-    a = formats.fake_quantize(a, spec, axis, key)
-  return a.astype(cdt)
+  if spec is None:
+    return a.astype(cdt), None
+  q = formats.quantize(a, spec, axis, key)
+  if spec.family == "fp8":
+    return q.dequantize(a.dtype).astype(jnp.float32), None
+  return dataclasses.replace(q, global_scale=None).dequantize().astype(cdt), q.global_scale
 
 
 def _role_keys(gemm, key, role):
@@ -68,20 +76,19 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key):
   As documented, each GEMM's lhs is quantized with its contraction axis last
   (X^T for wgrad); the rhs in its own layout.
   """
-  def exact_in_bf16(spec):
-    return spec is None or (spec.family == "mx" and spec.rounding != "stochastic_dither")
-
   def gemm(role_idx, g, a_FxC, b, b_axis):
     dims = (((1,), (b_axis,)), ((), ()))
     if g.is_plain:
       return lax.dot_general(a_FxC, b, dims)
-    # Documented: float32 compute where bf16 would round a float32 scale factor.
-    exact = exact_in_bf16(g.lhs) and exact_in_bf16(g.rhs)
-    cdt = jnp.dtype(r.compute_dtype if exact else jnp.float32)
     ka, kb, signs = _role_keys(g, key, role_idx)
-    qa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, cdt)
-    qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
-    return lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+    qa, fa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, r.compute_dtype)
+    qb, fb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, r.compute_dtype)
+    # Documented: float32 compute with an FP8 operand; factors on the output.
+    cdt = jnp.promote_types(qa.dtype, qb.dtype)
+    y = lax.dot_general(qa.astype(cdt), qb.astype(cdt), dims, preferred_element_type=jnp.float32)
+    for factor in (fa, fb):
+      y = y if factor is None else y * factor
+    return y
 
   y = gemm(0, r.fprop, x_MxK, w_KxN, 0)
   dx = gemm(1, r.dgrad, dy_MxN, w_KxN, 1)
