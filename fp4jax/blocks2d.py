@@ -83,9 +83,9 @@ def dequantize_tiles(q: TiledQArray, dtype=jnp.float32):
   return _from_tiles(tiles.dequantize(dtype), q.values.shape, t)
 
 
-def fake_quantize_2d(x, spec: formats.QuantSpec, axis: int = -1, key=None):
-  """x quantized in tiles over (axis, all other axes flattened) and dequantized,
-  in x's shape and dtype; straight-through gradient."""
+def _tiled(x, spec, axis, quantize_tiles_fn):
+  """quantize_tiles_fn([tiles, t*t] float32, tile spec) -> (y, factor), applied over
+  (axis, all other axes flattened) and mapped back to x's shape."""
   x = jnp.asarray(x)
   if spec.block is None:
     raise ValueError(f"2D tiles need a blocked format, got {spec.fmt}")
@@ -93,5 +93,19 @@ def fake_quantize_2d(x, spec: formats.QuantSpec, axis: int = -1, key=None):
   xm = jnp.moveaxis(x, axis, 0)
   x2 = xm.reshape(xm.shape[0], -1)
   t = spec.block
-  y = formats.fake_quantize(_to_tiles(x2, t), _tile_spec(spec), -1, key)
-  return jnp.moveaxis(_from_tiles(y, x2.shape, t).reshape(xm.shape), 0, axis)
+  y, factor = quantize_tiles_fn(_to_tiles(x2, t), _tile_spec(spec))
+  return jnp.moveaxis(_from_tiles(y, x2.shape, t).reshape(xm.shape), 0, axis), factor
+
+
+def fake_quantize_2d(x, spec: formats.QuantSpec, axis: int = -1, key=None):
+  """x quantized in tiles over (axis, all other axes flattened) and dequantized,
+  in x's shape and dtype; straight-through gradient."""
+  return _tiled(x, spec, axis,
+                lambda tiles, s: (formats.fake_quantize(tiles, s, -1, key), None))[0]
+
+
+def fake_quantize_2d_unscaled(x, spec: formats.QuantSpec, axis: int = -1, key=None):
+  """formats.fake_quantize_unscaled for tiles: (float32 values without the
+  per-tensor factor, x's shape; global_scale float32 scalar or None)."""
+  return _tiled(x, spec, axis,
+                lambda tiles, s: formats.fake_quantize_unscaled(tiles, s, -1, key))

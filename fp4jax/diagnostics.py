@@ -44,6 +44,7 @@ import optax
 from flax import traverse_util
 
 from fp4jax import dot as fp4dot
+from fp4jax.backends import xla as xla_backend
 from fp4jax.recipes import ROLES
 
 SOURCES = ("train", "ref")
@@ -142,7 +143,7 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   """Both operands of one role as its GEMM consumes them, and their references.
 
   Returns ((a_q, a_ref), (b_q, b_ref)): q = rotated, quantized and cast to the
-  compute dtype by `fp4jax.dot.quantize_operand` with the keys and signs
+  compute dtype by `fp4jax.backends.xla.fake_quantize_operand` with the keys and signs
   dot.py derives from the role key `key` (and the role's layer key
   `layer_key`, for per-layer signs); ref = rotated only (float32), so
   the relative error is the quantization error in the rotated basis (an
@@ -156,8 +157,8 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   signs = fp4dot.rotation_signs(gemm.hadamard, keys[2], layer_key)
   out = []
   for x, spec, axis, k in ((a, gemm.lhs, a_axis, keys[0]), (b, gemm.rhs, b_axis, keys[1])):
-    ref = fp4dot.quantize_operand(x, None, gemm.hadamard, signs, axis, None, "xla")
-    q = fp4dot.quantize_operand(x, spec, gemm.hadamard, signs, axis, k, "xla")
+    ref = xla_backend.fake_quantize_operand(x, None, gemm.hadamard, signs, axis, None)
+    q = xla_backend.fake_quantize_operand(x, spec, gemm.hadamard, signs, axis, k)
     out.append((q.astype(recipe.compute_dtype), ref))
   return tuple(out)
 

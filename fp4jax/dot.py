@@ -3,12 +3,15 @@
 `dot_general(recipe)` returns a function with lax.dot_general's signature plus
 `key` and `layer_key`. Forward and backward are a jax.custom_vjp whose residuals are the two
 original (high-precision) operands; each of the three GEMMs (recipes.py)
-rotates and fake-quantizes its operands along *its own* contraction axes, casts
-them to `recipe.compute_dtype` and multiplies with float32 accumulation. A GEMM
-with an operand whose fake-quantized values carry a float32 factor (per-tensor
-FP8 scale, NVFP4 global scale, the 4/3 of stochastic_dither) computes in
-float32 instead, since a bf16 cast would round them (hardware applies those
-factors in a float32 epilogue).
+rotates and quantizes its operands along *its own* contraction axes and
+multiplies them with float32 accumulation, through a backend
+(fp4jax.backends: `xla` fake-quantizes and runs the GEMM in
+`recipe.compute_dtype`, `pallas` fuses rotation and quantization in kernels,
+`native` runs one block-scaled GEMM on the real FP4/FP8 arrays; a GEMM the
+chosen backend cannot take runs on `xla`). Float32 per-tensor factors (NVFP4
+global scale, the 4/3 of stochastic_dither) are applied to the float32
+output, as hardware does in its epilogue; a GEMM with a per-tensor FP8
+operand computes in float32, since its scale is part of the values.
 
 Several contraction axes (DenseGeneral, Wgrad over batch x sequence) are
 blocked as one axis: the contraction axes, in dot_general order, flattened
@@ -22,7 +25,7 @@ element gets under stochastic rounding, nothing else (up to the float32
 round-off of the rotation). A rotated axis whose length is not a multiple of
 the Hadamard block is zero-padded (both operands alike: the product is
 unchanged); quantization blocks that do not divide the axis are padded
-inside `fake_quantize`.
+with zeros (inside `fake_quantize`, or before `quantize` for `native`).
 
 Randomness: role r in (fprop, dgrad, wgrad) uses fold_in(key, r); within it
 operand i in (lhs, rhs) quantizes with fold_in(role_key, i) and per-step
@@ -40,36 +43,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import formats, hadamard
+from fp4jax import backends, formats, hadamard
+from fp4jax.backends import xla as xla_backend
 from fp4jax.recipes import Gemm, Hadamard, Recipe
-
-
-def quantize_operand(x, spec, rotation: Hadamard | None, signs, axis: int, key, backend: str):
-  """x rotated and fake-quantized along `axis` (the GEMM's flattened contraction axis).
-
-  Every GEMM operand passes through here. backend "pallas" runs rotation and
-  quantization as one fused kernel (fp4jax.kernels) where it supports the spec,
-  and the XLA path otherwise; both give the same bits. rotation None: no rotation; else x
-  is zero-padded along `axis` to a multiple of rotation.block and rotated with
-  `signs` (None or a +-1 vector). spec None: no quantization; spec.block_2d:
-  square tiles over (axis, the other axes flattened), see fp4jax.blocks2d,
-  which keeps a weight's Fprop and Dgrad quantizations equal. Returns x's dtype;
-  shape = x.shape, with `axis` padded when rotated.
-  """
-  if rotation is not None:
-    pad = -x.shape[axis] % rotation.block
-    if pad:
-      x = jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
-  block = None if rotation is None else rotation.block
-  if backend == "pallas" and spec is not None and spec.is_plain_blocks:
-    from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
-    if kernel_quantize.unsupported(spec, block) is None:
-      return kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
-  if rotation is not None:
-    x = hadamard.rotate(x, block, axis, signs)
-  if spec is not None:
-    x = formats.fake_quantize(x, spec, axis, key)
-  return x
 
 
 def rotation_signs(rotation: Hadamard | None, key, layer_key=None):
@@ -113,39 +89,12 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   b, ib, wb = _flatten(b, cb)
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
   signs = rotation_signs(gemm.hadamard, keys[2], layer_key)
-  backend = recipe.backend
-  if backend == "auto":
-    backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-  cdt = _compute_dtype(gemm, recipe)
-  a = quantize_operand(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], backend).astype(cdt)
-  b = quantize_operand(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], backend).astype(cdt)
+  backend = backends.for_gemm(recipe.backend, gemm)
+  cdt = jnp.dtype(recipe.compute_dtype)
+  a = backend.quantize(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], cdt)
+  b = backend.quantize(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], cdt)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
-  y = lax.dot_general(a, b, dims, precision, jnp.float32, out_sharding=out_sharding)
-  return _fence(y.astype(out_dtype), cdt)
-
-
-def _exact_in_bf16(spec) -> bool:
-  """Whether a fake-quantized operand survives a cast to bf16 unchanged: MX
-  elements times power-of-two scales do; a float32 factor (per-tensor FP8
-  scale, NVFP4 global scale, the 4/3 of stochastic_dither) does not."""
-  return spec is None or (spec.family == "mx" and spec.rounding != "stochastic_dither")
-
-
-def _compute_dtype(gemm: Gemm, recipe: Recipe):
-  """recipe.compute_dtype, or float32 for a GEMM with an operand that bf16
-  would round (as hardware applies those factors in a float32 epilogue)."""
-  if _exact_in_bf16(gemm.lhs) and _exact_in_bf16(gemm.rhs):
-    return jnp.dtype(recipe.compute_dtype)
-  return jnp.dtype(jnp.float32)
-
-
-def _fence(y, compute_dtype):
-  """Works around XLA:CPU (jax 0.10.2): a bf16 x bf16 -> f32 dot whose result is
-  transposed later (by _to_layout, vmap or the caller) has the transpose folded
-  into it and fails with "Unsupported element type for DotThunk::Execute"."""
-  if compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    return lax.optimization_barrier(y)
-  return y
+  return backend.matmul(a, b, dims, precision, out_sharding).astype(out_dtype)
 
 
 def _to_layout(y, owner):
@@ -215,8 +164,7 @@ def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
   axis = _flatten(x, axes, last)[1]
 
   def to_quantized_layout(t):
-    return quantize_operand(_flatten(t, axes, last)[0], None, gemm.hadamard, signs, axis,
-                            None, "xla")
+    return xla_backend.rotate(_flatten(t, axes, last)[0], gemm.hadamard, signs, axis)
 
   xr, pull = jax.vjp(to_quantized_layout, x)
   mask = formats.clip_mask(xr, spec, axis)

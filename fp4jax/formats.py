@@ -364,13 +364,19 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
                 axis if spec.block is not None else 0)
 
 
-def _fake_quantize(x, spec, axis, key):
+def _block_dequantize(x, spec, axis, key):
+  """(q * s as float32 in x's shape, global_scale float32 scalar or None)."""
   q, s, _, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   y = q * s
-  if g is not None:
-    y = y * g
   if n is not None:
     y = _from_blocks(y, axis, n)
+  return y, g
+
+
+def _fake_quantize(x, spec, axis, key):
+  y, g = _block_dequantize(x, spec, axis, key)
+  if g is not None:
+    y = y * g
   return y.astype(x.dtype)
 
 
@@ -421,6 +427,20 @@ def clip_mask(x, spec: QuantSpec, axis: int = -1):
     limit = limit * g
   ok = jnp.abs(xb) <= limit
   return ok if n is None else _from_blocks(ok, axis, n)
+def fake_quantize_unscaled(x, spec: QuantSpec, axis: int = -1, key=None):
+  """fake_quantize without the per-tensor factor: (values, global_scale).
+
+  values: float32, x's shape, the elements times their block scales (exact in
+  bf16 for MX and NVFP4); global_scale: QArray.global_scale (float32 scalar or
+  None), which a GEMM applies to its float32 output. values * global_scale is
+  fake_quantize(x, ...) in float32, bit for bit. No gradient rule.
+  """
+  x = jnp.asarray(x)
+  axis = _check_input(x, spec, axis, key)
+  if spec.block_2d:
+    from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
+    return blocks2d.fake_quantize_2d_unscaled(x, spec, axis, key)
+  return _block_dequantize(x, spec, axis, key)
 
 
 def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):

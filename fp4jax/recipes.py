@@ -33,13 +33,14 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from fp4jax import backends
 from fp4jax.formats import QuantSpec
 from fp4jax.hadamard import SIGN_POLICIES, check_sign_policy
 
 ROLES = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
-BACKENDS = ("xla", "pallas", "auto")
+BACKENDS = backends.NAMES + ("auto",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,8 @@ class Recipe:
 
   compute_dtype: dtype the (rotated, dequantized) operands are cast to for the
   GEMM of a role that quantizes or rotates; plain roles run lax.dot_general
-  unchanged. backend: "xla" (jnp path), "pallas" (fp4jax.kernels) or "auto".
+  unchanged. backend: "xla" (jnp path), "pallas" (fp4jax.kernels), "native"
+  (block-scaled GEMMs, jax >= 0.11) or "auto" (fp4jax.backends.resolve).
   """
 
   name: str
@@ -117,6 +119,7 @@ class Recipe:
       raise ValueError(f"compute_dtype {self.compute_dtype!r} not in {COMPUTE_DTYPES}")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend {self.backend!r} not in {BACKENDS}")
+    backends.check_jax(self.backend)
 
   @property
   def is_random(self) -> bool:

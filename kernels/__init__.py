@@ -3,5 +3,6 @@
   quantize  fused [Hadamard] -> MX quantize -> packed E2M1 + E8M0 codes, and the
             fused fake quantize the dot_general's `pallas` backend calls
   gemm      MXFP4 x MXFP4 GEMM reading packed operands (bf16 math, f32 accumulation)
-  native    MXFP4 GEMMs on block-scaled matrix units (compute capability >= 10.0)
+
+Native block-scaled GEMMs (jax.nn.scaled_matmul) are fp4jax.backends.native.
 """

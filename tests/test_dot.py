@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import dot, formats, hadamard, recipes
+from fp4jax import blocks2d, dot, formats, hadamard, recipes
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
@@ -41,14 +41,27 @@ def _close(got, want):
 # ------------------------------------------------------------- the reference
 
 def _q(a, spec, h, signs, axis, key, cdt):
-  """What the documentation says an operand becomes: (pad,) rotate, quantize, cast."""
+  """What the documentation says an operand becomes: (pad,) rotate, quantize, cast.
+
+  Returns (values, factor): the float32 per-tensor factor (NVFP4 global scale,
+  dither's 4/3) is left for the GEMM's output; per-tensor FP8 keeps its scale
+  in float32 values.
+  """
   if h is not None:
     pad = -a.shape[axis] % h.block
     a = jnp.pad(a, [(0, pad if d == axis else 0) for d in range(a.ndim)])
     a = hadamard.rotate(a, h.block, axis, signs)
-  if spec is not None:
-    a = formats.fake_quantize(a, spec, axis, key)
-  return a.astype(cdt)
+  if spec is None:
+    return a.astype(cdt), None
+  if spec.family == "fp8":
+    return formats.quantize(a, spec, axis, key).dequantize(a.dtype).astype(jnp.float32), None
+  if spec.block_2d:  # the square tiles of a matrix: quantize [axis, other] as tiles
+    a2 = jnp.moveaxis(a, axis, 0)
+    q = blocks2d.quantize_tiles(a2, spec, key)
+    values = blocks2d.dequantize_tiles(dataclasses.replace(q, global_scale=None))
+    return jnp.moveaxis(values, 0, axis).astype(cdt), q.global_scale
+  q = formats.quantize(a, spec, axis, key)
+  return dataclasses.replace(q, global_scale=None).dequantize().astype(cdt), q.global_scale
 
 
 def _role_keys(gemm, key, layer_key, role):
@@ -72,20 +85,19 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key, layer_key=LAYER_KEY):
   As documented, each GEMM's lhs is quantized with its contraction axis last
   (X^T for wgrad); the rhs in its own layout.
   """
-  def exact_in_bf16(spec):
-    return spec is None or (spec.family == "mx" and spec.rounding != "stochastic_dither")
-
   def gemm(role_idx, g, a_FxC, b, b_axis):
     dims = (((1,), (b_axis,)), ((), ()))
     if g.is_plain:
       return lax.dot_general(a_FxC, b, dims)
-    # Documented: float32 compute where bf16 would round a float32 scale factor.
-    exact = exact_in_bf16(g.lhs) and exact_in_bf16(g.rhs)
-    cdt = jnp.dtype(r.compute_dtype if exact else jnp.float32)
     ka, kb, signs = _role_keys(g, key, layer_key, role_idx)
-    qa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, cdt)
-    qb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, cdt)
-    return lax.dot_general(qa, qb, dims, preferred_element_type=jnp.float32)
+    qa, fa = _q(a_FxC, g.lhs, g.hadamard, signs, 1, ka, r.compute_dtype)
+    qb, fb = _q(b, g.rhs, g.hadamard, signs, b_axis, kb, r.compute_dtype)
+    # Documented: float32 compute with an FP8 operand; factors on the output.
+    cdt = jnp.promote_types(qa.dtype, qb.dtype)
+    y = lax.dot_general(qa.astype(cdt), qb.astype(cdt), dims, preferred_element_type=jnp.float32)
+    for factor in (fa, fb):
+      y = y if factor is None else y * factor
+    return y
 
   def trust(g, operand, spec, axis):
     """QuEST: zero the gradient of elements that Fprop's quantization clipped,
@@ -94,7 +106,7 @@ def _reference(r: Recipe, x_MxK, w_KxN, dy_MxN, key, layer_key=LAYER_KEY):
       return g
     h, n = r.fprop.hadamard, operand.shape[axis]
     signs = _role_keys(r.fprop, key, layer_key, 0)[2]
-    p = lambda a: _q(a, None, h, signs, axis, None, jnp.float32)
+    p = lambda a: _q(a, None, h, signs, axis, None, jnp.float32)[0]
     mask = formats.clip_mask(p(operand), spec, axis)
     back = p(g) * mask if h is None else hadamard.unrotate(p(g) * mask, h.block, axis, signs)
     return lax.slice_in_dim(back, 0, n, axis=axis)

@@ -18,6 +18,7 @@ import pytest
 from fp4jax import formats, hadamard
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
+from tests.cuda_lowering import lower_for_cuda
 
 M, N = 24, 80  # rows, blocked length (80 = 2.5 blocks of 32, 5 of 16)
 TILE = {"row": (16, 32), "col": (32, 16)}
@@ -234,7 +235,7 @@ def test_lowers_to_triton_for_cuda(axis, rounding):
   bits = jax.ShapeDtypeStruct((256, 512), jnp.uint32) if spec.is_random else None
   fn = lambda x, b: kq.quantize_packed(x, spec, axis, hadamard_block=16, random_bits=b,
                                        interpret=False)
-  text = jax.jit(fn).trace(x, bits).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_cuda(fn, x, bits)
   assert text.count("xla.gpu.triton") == 1
   assert "stablehlo.transpose" not in text
 
@@ -245,5 +246,24 @@ def test_packed_gemm_lowers_to_triton_for_cuda():
   args = (s((256, 7168), jnp.uint8), s((256, 448), jnp.float8_e8m0fnu),
           s((512, 7168), jnp.uint8), s((512, 448), jnp.float8_e8m0fnu))
   fn = functools.partial(gemm.matmul_packed, interpret=False)
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_cuda(fn, *args)
   assert text.count("xla.gpu.triton") == 1
+
+
+def test_packed_gemm_is_dequantize_then_dot():
+  """quantize_packed + matmul_packed == dequantize-then-dot (f32 accumulation).
+
+  K = 224: seven 32-wide K slabs; M, N below one 64 tile; a NaN block.
+  """
+  spec = formats.QuantSpec("mxfp4")
+  lhs = jax.random.normal(jax.random.key(0), (40, 224)).at[3, 100].set(jnp.nan)
+  rhs = jax.random.normal(jax.random.key(1), (24, 224)) * 1e3
+  got = gemm.matmul_packed(*kq.quantize_packed(lhs, spec, -1), *kq.quantize_packed(rhs, spec, -1))
+  want = jax.jit(lambda a, b: jnp.einsum(
+      "mk,nk->mn", formats.fake_quantize(a, spec, -1).astype(jnp.bfloat16),
+      formats.fake_quantize(b, spec, -1).astype(jnp.bfloat16),
+      preferred_element_type=jnp.float32))(lhs, rhs)
+  assert got.shape == (40, 24) and got.dtype == jnp.float32
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  assert np.isnan(got[3]).all() and not np.isnan(got[:3]).any()
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -300,11 +300,20 @@ MESHES = ((8, 1, 1), (1, 4, 2), (2, 2, 2))
 # float32 reductions, so on the same parameters (step 1, or the first step
 # after a restore) every recipe agrees to RTOL_SAME (measured: <= 3e-7).
 # After updates, MXFP4 can turn such a last-bit difference into a different
-# rounding of an element, and runs may drift apart slowly: RTOL_LATER
-# (measured here: <= 2e-7 for this one-layer model; 3e-3 after 4 steps with
-# two layers).
+# rounding of an element, and runs may drift apart: RTOL_LATER. Measured on
+# this one-layer model, 4 steps, 8x1x1 against one device: the first
+# difference inside the quantized block is one RMSNorm scale element (of 128)
+# off by one ulp (its gradient sums over the sharded token axis); the
+# unquantized head and the embedding differ from step 1 (<= 2.4e-6), which the
+# MXFP4 quantization of the backward operands absorbs. With jax 0.10.2 that
+# norm element appears after step 3, and loss and grad_norm agree to <= 1.1e-7. With jax
+# 0.12.0.1 it appears after step 1; after step 2 every quantized kernel
+# differs, attn.o by up to 1.6e-3 (far above round-off: MXFP4 roundings went
+# the other way), and at step 4 grad_norm differs by 1.24e-3 (loss 3.5e-4) on
+# 8x1x1 and 1x4x2, 8.5e-4 (loss 5.2e-4) on 2x2x2. With two layers: 3e-3 after
+# 4 steps.
 RTOL_SAME = 1e-5
-RTOL_LATER = {"bf16": 1e-5, "mxfp4-dh16": 1e-3}
+RTOL_LATER = {"bf16": 1e-5, "mxfp4-dh16": 5e-3}
 
 
 def _expected_layout(layout, mesh):

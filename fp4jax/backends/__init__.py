@@ -1,0 +1,102 @@
+"""GEMM backends: how one GEMM of a recipe quantizes its operands and multiplies them.
+
+fp4jax.dot calls, per quantized GEMM, one backend module through three functions:
+
+  unsupported(gemm) -> str | None
+      why this backend cannot run `gemm` (a recipes.Gemm); fp4jax.dot then runs
+      that GEMM on `xla` and logs the reason once.
+  quantize(x, spec, rotation, signs, axis, key, compute_dtype) -> operand
+      x zero-padded and rotated (rotation: recipes.Hadamard or None, with the
+      +-1 `signs` or None) and quantized with `spec` (a QuantSpec, or None: not
+      quantized) along `axis`, the GEMM's flattened contraction axis. The
+      operand's type is the backend's own; only its `matmul` reads it.
+  matmul(a, b, dims, precision, out_sharding) -> float32 array
+      lax.dot_general(a, b, dims) of two operands of this backend (dims a
+      dot_general's dimension numbers, each operand contracting its `axis`),
+      with every float32 factor of the operands (NVFP4 per-tensor scales,
+      stochastic_dither's 4/3) applied to the float32 output.
+
+Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
+dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the
+xla GEMM) and `native` (real FP4/FP8 element and E8M0/E4M3 scale arrays into
+one block-scaled GEMM, jax.nn.scaled_matmul; needs jax >= 0.11). A new backend
+is one module here plus its name in NAMES.
+
+`resolve(name)` turns "auto" into a backend name for the default device;
+`for_gemm(name, gemm)` returns the module that runs a GEMM.
+"""
+
+import functools
+import importlib
+import logging
+
+import jax
+
+NAMES = ("xla", "pallas", "native")
+# Oldest jax a backend runs on (default: the project's floor).
+MIN_JAX = {"native": (0, 11)}
+
+
+def jax_version() -> tuple[int, ...]:
+  return tuple(jax.__version_info__)
+
+
+def check_jax(name: str):
+  """Raises ValueError when the installed jax is too old for backend `name`."""
+  need = MIN_JAX.get(name)
+  if need is not None and jax_version()[:len(need)] < need:
+    raise ValueError(f"backend {name!r} needs jax >= {'.'.join(map(str, need))} "
+                     f"(jax.nn.scaled_matmul with a CPU lowering); installed: jax "
+                     f"{jax.__version__} (Python >= 3.12 installs newer jax)")
+
+
+def module(name: str):
+  """The backend module fp4jax.backends.<name>."""
+  if name not in NAMES:
+    raise ValueError(f"unknown backend {name!r}; valid: {', '.join(NAMES)}")
+  return importlib.import_module(f"fp4jax.backends.{name}")
+
+
+@functools.cache
+def resolve(name: str) -> str:
+  """`name`, or for "auto" the backend for the default device: `native` on NVIDIA
+  GPUs with block-scaled matrix units (compute capability >= 10; jax >= 0.11),
+  `pallas` on other GPUs, `xla` elsewhere. Logs an "auto" decision once."""
+  if name != "auto":
+    return name
+  native = module("native")
+  reason = native.unsupported_device()
+  if reason is None and jax_version() < MIN_JAX["native"]:
+    reason = f"jax {jax.__version__} < 0.11"
+  if reason is None:
+    choice = "native"
+  else:
+    choice = "pallas" if jax.default_backend() == "gpu" else "xla"
+  logging.info("fp4jax: backend auto -> %s%s", choice,
+               "" if reason is None else f" (no native block-scaled GEMMs: {reason})")
+  return choice
+
+
+def for_gemm(name: str, gemm):
+  """The backend module that runs `gemm` for a recipe's backend `name` (or auto)."""
+  chosen = module(resolve(name))
+  reason = chosen.unsupported(gemm)
+  if reason is None:
+    return chosen
+  _log_fallback(chosen.__name__.rsplit(".", 1)[-1], reason)
+  return module("xla")
+
+
+@functools.cache
+def _log_fallback(name, reason):
+  logging.warning("fp4jax: backend %s runs this GEMM on xla: %s", name, reason)
+
+
+def apply_factors(y, *factors):
+  """y (float32) times the product of the float32 scalar factors that are not None,
+  in the order given: the epilogue every backend shares."""
+  scale = None
+  for f in factors:
+    if f is not None:
+      scale = f if scale is None else scale * f
+  return y if scale is None else y * scale

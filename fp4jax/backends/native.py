@@ -1,0 +1,116 @@
+"""The native backend: each GEMM as one block-scaled GEMM on real low-precision arrays.
+
+Both operands are rotated exactly as in the xla backend, quantized to a QArray
+(fp4jax.formats.quantize: float4_e2m1fn / float8 elements, float8_e8m0fnu or,
+for NVFP4, float8_e4m3fn block scales) and multiplied by
+`jax.nn.scaled_matmul`, which takes the elements and block scales as they are
+and accumulates in float32; the float32 per-tensor factors (NVFP4's global
+scales, stochastic_dither's 4/3) are applied to the float32 output, as the
+hardware's epilogue does. MXFP6 elements travel in float8_e4m3fn, which holds
+every E2M3 and E3M2 value exactly (jax 0.12's CPU lowering cannot convert
+float6 arrays), so on a GPU they run as an MXFP8 E4M3 GEMM with the same value.
+Needs jax >= 0.11 (fp4jax.backends.MIN_JAX). `precision` is not used (the
+block-scaled GEMM has one precision).
+
+Takes every GEMM whose two operands are MX or NVFP4 with the same block size.
+Per-tensor FP8 (a float32 scale, no block scales) and unquantized operands are
+run by the xla backend (fp4jax.backends.for_gemm).
+
+Where it runs: `jax.nn.scaled_matmul` lowers
+- on the CPU (jax >= 0.11) to convert + multiply + a float32 dot: the same
+  numbers as the xla backend, bit for bit (tests/test_backends.py), slowly;
+- on CUDA to XLA's block-scaled dot custom call (`__op$block_scaled_dot`),
+  which cuDNN runs on the block-scaled tensor cores of compute capability >= 10
+  (Blackwell). JAX documents cuDNN support for MXFP8 (E4M3/E5M2, E8M0 scales,
+  block 32) and NVFP4 (E2M1, E4M3 scales, block 16). UNTESTED ON REAL
+  HARDWARE: whether MXFP4 (E2M1, E8M0 scales, block 32) runs on the FP4 units
+  or is expanded by XLA is unverified;
+- on ROCm (jax 0.12) to `lax.scaled_dot`, which XLA may hand to hipBLASLt or
+  Triton for MI355X-class FP4 units. Untested: no ROCm device was available.
+
+`unsupported_device()` says why a device has no block-scaled matrix units
+(what backend "auto" asks before it picks this backend).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax import formats
+from fp4jax.backends import apply_factors, xla
+
+MIN_CAPABILITY = (10, 0)
+
+
+def unsupported_device(device=None):
+  """Why `device` (default: the first device) has no block-scaled FP4 matrix units
+  that jax.nn.scaled_matmul reaches (NVIDIA compute capability >= 10), or None."""
+  device = jax.devices()[0] if device is None else device
+  if device.platform != "gpu":
+    return f"platform is {device.platform!r}, not an NVIDIA GPU"
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return f"{device.device_kind} reports no compute capability (not CUDA)"
+  major, minor = (int(part) for part in str(capability).split(".")[:2])
+  if (major, minor) < MIN_CAPABILITY:
+    return (f"{device.device_kind} has compute capability {capability} < "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: no block-scaled FP4 units")
+  return None
+
+
+def unsupported(gemm):
+  """Why this backend cannot run `gemm` (a recipes.Gemm), or None."""
+  for side in ("lhs", "rhs"):
+    spec = getattr(gemm, side)
+    if spec is None:
+      return f"its {side} is not quantized"
+    if spec.family == "fp8":
+      return f"its {side} is per-tensor {spec.fmt} (a float32 scale, no block scales)"
+    if not spec.is_plain_blocks:
+      return (f"its {side} has block_2d={spec.block_2d}, block_scale={spec.block_scale!r} "
+              "(native takes 1D amax-scaled blocks)")
+  if gemm.lhs.block != gemm.rhs.block:
+    return f"its operands have different block sizes ({gemm.lhs.block}, {gemm.rhs.block})"
+  return None
+
+
+def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
+  """See fp4jax.backends; returns a QArray blocked along `axis`, whose length is
+  zero-padded to a multiple of spec.block (the quantized values do not change)."""
+  del compute_dtype  # the block-scaled GEMM reads the elements as they are
+  x = xla.pad_axis(xla.rotate(x, rotation, signs, axis), axis, spec.block)
+  return formats.quantize(x, spec, axis, key)
+
+
+def matmul(a, b, dims, precision, out_sharding):
+  """lax.dot_general(a, b, dims)'s float32 result as one jax.nn.scaled_matmul."""
+  del precision
+  (ca, cb), (ba, bb) = dims
+  lhs, lhs_scales, lhs_shape = _batch_rows_blocks(a, ca, ba)
+  rhs, rhs_scales, rhs_shape = _batch_rows_blocks(b, cb, bb)
+  y = jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales,
+                           preferred_element_type=jnp.float32)
+  y = y.reshape(lhs_shape + rhs_shape[len(bb):])  # dot_general's layout
+  if out_sharding is not None:
+    y = jax.sharding.reshard(y, out_sharding)
+  return apply_factors(y, a.global_scale, b.global_scale)
+
+
+def _batch_rows_blocks(q, contract, batch):
+  """A QArray's values and scales as [B, rows, K] and [B, rows, K / block], with
+  the batch dims first, then the free dims (the order dot_general keeps), then
+  the contraction axis (`contract` must be (q.axis,)); also the [batch..., free...]
+  shape."""
+  if tuple(contract) != (q.axis,):
+    raise ValueError(f"operand blocked along {q.axis} cannot contract {contract}")
+  free = [d for d in range(q.values.ndim) if d != q.axis and d not in batch]
+  perm = list(batch) + free + [q.axis]
+  values, scales = q.values, q.scales
+  if perm != list(range(values.ndim)):
+    values, scales = jnp.transpose(values, perm), jnp.transpose(scales, perm)
+  shape = values.shape[:-1]
+  n_batch = math.prod(shape[:len(batch)])
+  rows = math.prod(shape[len(batch):])
+  return (values.reshape(n_batch, rows, values.shape[-1]),
+          scales.reshape(n_batch, rows, scales.shape[-1]), shape)

@@ -1,0 +1,23 @@
+"""The Pallas backend: fp4jax.kernels' fused rotate + MX fake quantize, the xla GEMM.
+
+An operand whose spec the kernels take (MX 1D amax-scaled blocks, power-of-two
+block, nearest or stochastic rounding) is rotated and quantized in one kernel pass (compiled
+with Triton on GPUs, interpreted elsewhere), bit for bit the xla backend's
+values; any other operand goes through the xla backend. Operands and the
+GEMM are the xla backend's.
+"""
+
+from fp4jax.backends import xla
+from fp4jax.backends.xla import matmul, unsupported  # pylint: disable=unused-import
+
+
+def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
+  """See fp4jax.backends; returns an xla.Operand."""
+  from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
+  block = None if rotation is None else rotation.block
+  if (spec is None or not spec.is_plain_blocks
+      or kernel_quantize.unsupported(spec, block) is not None):
+    return xla.quantize(x, spec, rotation, signs, axis, key, compute_dtype)
+  x = xla.pad_axis(x, axis, block or 1)
+  y = kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
+  return xla.Operand(y.astype(compute_dtype), None)

@@ -1,0 +1,84 @@
+"""The reference backend: jnp fake quantization, then one GEMM in the compute dtype.
+
+An operand is rotated and fake-quantized in float32 (fp4jax.hadamard,
+fp4jax.formats), split into its block-dequantized values and its float32
+per-tensor factor (NVFP4's global scale, stochastic_dither's 4/3; None for
+plain MX), and the values are cast to the recipe's compute dtype. MX and NVFP4
+values (elements times E8M0 / E4M3 block scales) are exact in bf16; the
+factors are applied to the float32 GEMM output, as hardware applies them in
+its epilogue. Per-tensor FP8 values carry their float32 scale (there are no
+block scales) and bf16 would round them: they stay float32, and a GEMM with
+such an operand computes in float32.
+"""
+
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from fp4jax import formats, hadamard
+from fp4jax.backends import apply_factors
+
+
+class Operand(NamedTuple):
+  """values: the rotated, block-dequantized operand (compute dtype, or float32);
+  factor: float32 scalar for the GEMM's output, or None."""
+  values: jax.Array
+  factor: jax.Array | None
+
+
+def unsupported(gemm):
+  """The xla backend runs every GEMM: None."""
+  del gemm
+
+
+def pad_axis(x, axis, multiple):
+  """x zero-padded at the end of `axis` to a multiple of `multiple`."""
+  pad = -x.shape[axis] % multiple
+  if not pad:
+    return x
+  return jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
+
+
+def rotate(x, rotation, signs, axis):
+  """x zero-padded along `axis` to a multiple of rotation.block and rotated with
+  `signs` (None or a +-1 vector), x's dtype; x itself when rotation is None."""
+  if rotation is None:
+    return x
+  return hadamard.rotate(pad_axis(x, axis, rotation.block), rotation.block, axis, signs)
+
+
+def fake_quantize_operand(x, spec, rotation, signs, axis, key):
+  """x rotated and fake-quantized along `axis`, factors included, in x's dtype."""
+  x = rotate(x, rotation, signs, axis)
+  return x if spec is None else formats.fake_quantize(x, spec, axis, key)
+
+
+def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
+  """See fp4jax.backends; returns an Operand."""
+  x = rotate(x, rotation, signs, axis)
+  if spec is None:
+    return Operand(x.astype(compute_dtype), None)
+  if spec.family == "fp8":
+    return Operand(formats.fake_quantize(x, spec, axis, key).astype(jnp.float32), None)
+  values, factor = formats.fake_quantize_unscaled(x, spec, axis, key)
+  return Operand(values.astype(compute_dtype), factor)
+
+
+def matmul(a, b, dims, precision, out_sharding):
+  """The GEMM in the wider of the operands' dtypes, float32 accumulation, then
+  the operands' factors."""
+  dtype = jnp.promote_types(a.values.dtype, b.values.dtype)
+  y = lax.dot_general(a.values.astype(dtype), b.values.astype(dtype), dims, precision,
+                      jnp.float32, out_sharding=out_sharding)
+  return apply_factors(_fence(y, dtype), a.factor, b.factor)
+
+
+def _fence(y, compute_dtype):
+  """Works around XLA:CPU (jax 0.10.2): a bf16 x bf16 -> f32 dot whose result is
+  transposed later (by dot's layout, vmap or the caller) has the transpose folded
+  into it and fails with "Unsupported element type for DotThunk::Execute"."""
+  if compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return lax.optimization_barrier(y)
+  return y

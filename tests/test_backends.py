@@ -1,0 +1,261 @@
+"""fp4jax.backends: how auto picks, the fallback to xla, and native == xla bit for bit.
+
+The bitwise tests need jax >= 0.11 (jax.nn.scaled_matmul's CPU lowering) and
+skip, naming the installed jax, before that; CI runs them on Python 3.12.
+"""
+
+import dataclasses
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import backends, dot, formats, recipes
+from fp4jax.backends import native
+from fp4jax.recipes import Gemm, Recipe
+
+NEW_JAX = backends.jax_version() >= backends.MIN_JAX["native"]
+needs_new_jax = pytest.mark.skipif(
+    not NEW_JAX, reason=f"backend native needs jax >= 0.11 (jax.nn.scaled_matmul's CPU "
+    f"lowering); installed jax {jax.__version__}")
+MXFP4 = formats.QuantSpec("mxfp4")
+
+
+def lower_for_cuda(fn, *args):
+  """StableHLO text of jit(fn) lowered for CUDA (no Pallas inside, so no abstract
+  GPU device is needed; scaled_matmul's partitioning rule wants real devices)."""
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _device(platform, kind, capability=None):
+  fields = dict(platform=platform, device_kind=kind)
+  if capability is not None:
+    fields["compute_capability"] = capability
+  return types.SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize("device,supported,words", [
+    (_device("cpu", "cpu"), False, "not an NVIDIA GPU"),
+    (_device("gpu", "NVIDIA H200", "9.0"), False, "9.0 < 10.0"),
+    (_device("gpu", "AMD Instinct MI355X"), False, "no compute capability"),
+    (_device("gpu", "NVIDIA B200", "10.0"), True, None),
+    (_device("gpu", "NVIDIA GB300", "10.3"), True, None),
+    (_device("gpu", "NVIDIA RTX PRO 6000", "12.0"), True, None),
+])
+def test_unsupported_device(device, supported, words):
+  reason = native.unsupported_device(device)
+  assert (reason is None) == supported
+  if words:
+    assert words in reason
+
+
+@pytest.mark.parametrize("platform,capability,version,want", [
+    ("cpu", None, (0, 12, 0), "xla"),
+    ("gpu", "9.0", (0, 12, 0), "pallas"),
+    ("gpu", None, (0, 12, 0), "pallas"),  # ROCm: no compute capability
+    ("gpu", "10.0", (0, 12, 0), "native"),
+    ("gpu", "10.0", (0, 10, 2), "pallas"),
+])
+def test_auto_picks_by_device_and_jax(monkeypatch, caplog, platform, capability, version, want):
+  device = _device(platform, "some device", capability)
+  monkeypatch.setattr(jax, "devices", lambda *a: [device])
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  monkeypatch.setattr(backends, "jax_version", lambda: version)
+  backends.resolve.cache_clear()
+  try:
+    with caplog.at_level(logging.INFO):
+      assert backends.resolve("auto") == want
+    assert f"backend auto -> {want}" in caplog.text
+  finally:
+    backends.resolve.cache_clear()
+  monkeypatch.undo()
+  assert backends.resolve("auto") == "xla"  # the real CPU again
+
+
+def test_native_is_refused_on_old_jax(monkeypatch):
+  monkeypatch.setattr(backends, "jax_version", lambda: (0, 10, 2))
+  with pytest.raises(ValueError, match=r"backend 'native' needs jax >= 0.11 .*installed: jax"):
+    dataclasses.replace(recipes.recipe("mxfp4"), backend="native")
+  if not NEW_JAX:  # the installed jax itself
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="needs jax >= 0.11"):
+      Recipe("x", backend="native")
+
+
+def test_what_native_takes_and_the_logged_fallback(caplog):
+  nv, e4m3 = formats.QuantSpec("nvfp4"), formats.QuantSpec("fp8_e4m3")
+  assert native.unsupported(Gemm(MXFP4, MXFP4)) is None
+  assert native.unsupported(Gemm(nv, nv)) is None
+  assert "per-tensor fp8_e4m3" in native.unsupported(Gemm(MXFP4, e4m3))
+  assert "rhs is not quantized" in native.unsupported(Gemm(MXFP4, None))
+  assert "block sizes (32, 16)" in native.unsupported(Gemm(MXFP4, nv))
+  fp8 = recipes.recipe("fp8").fprop
+  with caplog.at_level(logging.WARNING):
+    assert backends.for_gemm("native", fp8) is backends.module("xla")
+    assert backends.for_gemm("native", fp8) is backends.module("xla")
+    assert backends.for_gemm("native", Gemm(MXFP4, MXFP4)) is native
+  assert caplog.text.count("backend native runs this GEMM on xla: its lhs is per-tensor") <= 1
+  with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+    backends.module("cuda")
+
+
+def test_native_gemm_lowers_to_one_block_scaled_dot_for_cuda():
+  """Real E2M1 values and E8M0 scales reach XLA's block-scaled dot (cuDNN on CUDA)."""
+  def fprop(x_MxK, w_KxN):
+    a = native.quantize(x_MxK, MXFP4, None, None, 1, None, jnp.bfloat16)
+    b = native.quantize(w_KxN, MXFP4, None, None, 0, None, jnp.bfloat16)
+    return native.matmul(a, b, (((1,), (0,)), ((), ())), None, None)
+  text = lower_for_cuda(fprop, jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
+  call = [line for line in text.splitlines() if "block_scaled_dot" in line]
+  assert len(call) == 1
+  assert "tensor<1x128x64xf4E2M1FN>" in call[0] and "tensor<1x256x2xf8E8M0FNU>" in call[0]
+
+
+@needs_new_jax
+def test_native_dot_general_lowers_every_gemm_to_a_block_scaled_dot():
+  dg = dot.dot_general(dataclasses.replace(recipes.recipe("mxfp4-dh16"), backend="native"))
+  def step(x, w):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, (((1,), (0,)), ((), ()))), x, w)
+    return vjp(y)
+  text = lower_for_cuda(step, jax.ShapeDtypeStruct((64, 128), jnp.float32),
+                        jax.ShapeDtypeStruct((128, 96), jnp.float32))
+  assert text.count("__op$block_scaled_dot") == 3
+
+
+# ------------------------------------------------ native == xla, bit for bit
+
+def _native(name):
+  return dataclasses.replace(recipes.recipe(name), backend="native")
+
+
+def _native_gemms(name):
+  """How many of the preset's three GEMMs the native backend runs itself."""
+  r = recipes.recipe(name)
+  return sum(native.unsupported(getattr(r, role)) is None for role in recipes.ROLES)
+
+
+NATIVE_PRESETS = [n for n in recipes.recipe_names() if _native_gemms(n)]
+DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
+
+
+def _value_and_grads(recipe, x, w, dims, key):
+  dg = dot.dot_general(recipe)
+  def f(x, w):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key), x, w)
+    return (y,) + vjp(jnp.cos(y))
+  return jax.jit(f)(x, w), str(jax.make_jaxpr(f)(x, w))
+
+
+def _assert_same_bits(got, want):
+  for a, b in zip(got, want):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(a.view(np.uint32 if a.itemsize == 4 else np.uint16),
+                                  b.view(np.uint32 if b.itemsize == 4 else np.uint16))
+
+
+def test_every_preset_native_takes_is_listed():
+  assert "bf16" not in NATIVE_PRESETS and "fp8" not in NATIVE_PRESETS
+  assert {"mxfp8", "mxfp4-dh16", "quartet", "tseng", "nvfp4"} <= set(NATIVE_PRESETS)
+  assert [n for n in NATIVE_PRESETS if not _fp4_only(n)] == ["mxfp8"]
+
+
+def _fp4_only(name):
+  """Whether every GEMM native runs has E2M1 elements on both sides (MXFP4, NVFP4)."""
+  r = recipes.recipe(name)
+  gemms = [getattr(r, role) for role in recipes.ROLES]
+  return all(g.lhs.element.name == g.rhs.element.name == "e2m1" for g in gemms
+             if native.unsupported(g) is None)
+
+
+@needs_new_jax
+@pytest.mark.parametrize("name", NATIVE_PRESETS)
+def test_native_matches_xla_bitwise(name):
+  """y, dX, dW; K = 72, N = 40 and M = 2 x 20 tokens pad every block and rotation.
+
+  FP4 GEMMs agree bit for bit: every E2M1 x E2M1 product times the two block
+  scales, and here every partial sum, is exact in float32, so the order in
+  which the two CPU GEMMs add (bf16 dot with float32 accumulation in xla,
+  convert + multiply + float32 dot in scaled_matmul's CPU lowering) cannot
+  matter. MXFP8 products carry 8 significant bits, sums round, and the orders
+  differ: a few outputs differ in the last bit.
+  """
+  x = jax.random.normal(jax.random.key(0), (2, 20, 72)) * 3.0
+  w = jax.random.normal(jax.random.key(1), (72, 40)) * 0.1
+  key = jax.random.key(4)
+  want, _ = _value_and_grads(recipes.recipe(name), x, w, DENSE, key)
+  got, jaxpr = _value_and_grads(_native(name), x, w, DENSE, key)
+  assert jaxpr.count("scaled_matmul_wrapper") == _native_gemms(name)
+  if _fp4_only(name):
+    _assert_same_bits(got, want)
+  else:
+    for a, b in zip(got, want):
+      scale = np.abs(np.asarray(b)).max()
+      np.testing.assert_allclose(a, b, rtol=2**-21, atol=2**-21 * scale)
+
+
+@needs_new_jax
+@pytest.mark.parametrize("layout", ["attention", "kernel first", "dense general"])
+def test_native_matches_xla_bitwise_in_other_layouts(layout):
+  """Batch dims, a kernel contracting its last axis, two contraction axes; bf16 inputs."""
+  ls, rs, dims = {
+      "attention": ((2, 40, 3, 32), (2, 24, 3, 32), (((3,), (3,)), ((0, 2), (0, 2)))),
+      "kernel first": ((40, 96), (24, 96), (((1,), (1,)), ((), ()))),
+      "dense general": ((2, 20, 4, 24), (4, 24, 16), (((2, 3), (0, 1)), ((), ()))),
+  }[layout]
+  x = jax.random.normal(jax.random.key(0), ls, jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(1), rs, jnp.bfloat16)
+  want, _ = _value_and_grads(recipes.recipe("mxfp4-dh16"), x, w, dims, None)
+  got, _ = _value_and_grads(_native("mxfp4-dh16"), x, w, dims, None)
+  _assert_same_bits(got, want)
+
+
+@needs_new_jax
+def test_native_llama_gradients_match_xla_bitwise():
+  """Two scanned, rematerialized Llama blocks with bf16 activations and quantized
+  attention products (batch dims): loss and every gradient, jitted."""
+  from fp4jax import model  # pylint: disable=g-import-not-at-top
+  cfg = model.model_config("tiny", vocab_size=64, dim=128, n_layers=2, n_heads=4,
+                           n_kv_heads=2, mlp_dim=96, dtype="bfloat16", scan_layers=True,
+                           remat="full", quantize_attention=True)
+  toks = jax.random.randint(jax.random.key(0), (2, 32), 0, 64, jnp.int32)
+  params = model.Llama(cfg, recipes.recipe("bf16")).init(jax.random.key(1), toks)["params"]
+
+  def loss_and_grads(recipe):
+    llama = model.Llama(cfg, recipe)
+    def loss(p):
+      logits = llama.apply({"params": p}, toks, rngs={"quant": jax.random.key(2)})
+      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  want = jax.tree.leaves(loss_and_grads(recipes.recipe("mxfp4-dh16")))
+  got = jax.tree.leaves(loss_and_grads(_native("mxfp4-dh16")))
+  _assert_same_bits(got, want)
+
+
+@needs_new_jax
+def test_native_data_parallel_matches_xla_bitwise():
+  """Tokens split over 8 devices (64 each: two MX blocks for Wgrad), jitted grads.
+
+  (scaled_matmul's partitioning rule runs here; under Explicit mesh axes with
+  out_sharding jax 0.12's CPU runtime has no "Sharding" custom call, untested
+  on GPUs.)
+  """
+  sharding = jax.sharding
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(sharding.AxisType.Auto,))
+  x = jax.device_put(jax.random.normal(jax.random.key(0), (512, 64)),
+                     sharding.NamedSharding(mesh, sharding.PartitionSpec("data", None)))
+  w = jax.random.normal(jax.random.key(1), (64, 32))
+
+  def grads(recipe):
+    dg = dot.dot_general(recipe)
+    loss = lambda a, b: jnp.sum(dg(a, b, (((1,), (0,)), ((), ()))) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+  got = grads(_native("mxfp4-dh16"))
+  assert got[1][0].sharding.spec == sharding.PartitionSpec("data")
+  _assert_same_bits(jax.tree.leaves(got), jax.tree.leaves(grads(recipes.recipe("mxfp4-dh16"))))
