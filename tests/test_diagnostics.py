@@ -145,12 +145,16 @@ def test_rotated_operand_error_is_measured_in_the_rotated_basis():
 
 def test_measured_operands_are_the_ones_the_gemm_used():
   """role_operands (same keys, same layout as dot.py) returns exactly the
-  operands the quantized GEMM multiplied: checked on `quartet`, whose backward
-  uses stochastic rounding and random Hadamard signs."""
-  name, key = "quartet", jax.random.key(5)
-  recipe = recipes.recipe(name)
+  operands the quantized GEMM multiplied: checked on mxfp4-sr with per-step
+  random H16 signs on every role (stochastic rounding and random signs; no
+  per-tensor factor and no trust mask, which act outside the operands)."""
+  key = jax.random.key(5)
+  sr = recipes.recipe("mxfp4-sr")
+  rotation = recipes.Hadamard(16, "per-step")
+  recipe = dataclasses.replace(sr, name="mxfp4-sr-rh16", **{
+      r: dataclasses.replace(getattr(sr, r), hadamard=rotation) for r in D.ROLES})
   x, w, dy = _operands()
-  _, errors = _stats(name, x, w, dy, key)
+  _, errors = jax.jit(functools.partial(D.gemm_stats, recipe))(x, w, dy, key)
   cases = {"fprop": ((x, w, 1, 0), lambda a, b: a @ b, x @ w),
            "dgrad": ((dy, w, 1, 1), lambda a, b: a @ b.T, dy @ w.T),
            "wgrad": ((x.T, dy, 1, 0), lambda a, b: a @ b, x.T @ dy)}

@@ -184,10 +184,14 @@ def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path):
   lines = [json.dumps({"text": f"record {i} " * 3}) for i in range(12)]
   lines[3] = '{"text": "cut off'
   (corpus / "a.jsonl").write_text("\n".join(lines) + "\n")
+  # A separate, valid validation file: the validation windows are read at
+  # start-up, so the bad line must be in the training data only.
+  (tmp_path / "val.jsonl").write_text(
+      "\n".join(json.dumps({"text": f"held out {i} " * 3}) for i in range(12)) + "\n")
   path = tmp_path / "run"
   rc, out = run(f"--workdir={path}", *TINY,
                 f"--config.data.path={corpus}/*.jsonl",
-                "--config.data.val_path=" + str(corpus / "a.jsonl"),
+                "--config.data.val_path=" + str(tmp_path / "val.jsonl"),
                 "--config.steps=20", "--config.checkpoint_every=100",
                 "--config.eval_every=100")
   _user_error(rc, out, "a.jsonl line 4", "malformed JSON")
