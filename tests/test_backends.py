@@ -144,8 +144,9 @@ DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
 
 def _value_and_grads(recipe, x, w, dims, key):
   dg = dot.dot_general(recipe)
+  layer_key = jax.random.key(9) if recipe.needs_layer_key else None
   def f(x, w):
-    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key), x, w)
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, dims, key=key, layer_key=layer_key), x, w)
     return (y,) + vjp(jnp.cos(y))
   return jax.jit(f)(x, w), str(jax.make_jaxpr(f)(x, w))
 
