@@ -400,17 +400,23 @@ def _corpus(cfg, split):
                    f"{SOURCES}.")
 
 
+def _check_process_split(batch, process_index, process_count):
+  """ValueError unless `batch` rows split evenly over the processes and
+  process_index is one of them."""
+  if batch % process_count or not 0 <= process_index < process_count:
+    raise ValueError(
+        f"batch size {batch} must divide evenly over {process_count} "
+        f"processes, and process_index ({process_index}) lie in "
+        f"[0, {process_count}).")
+
+
 def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
              process_index, process_count):
   """A BatchIterator over this process's rows of `split`."""
   if seq_len < 1 or global_batch < 1:
     raise ValueError(f"seq_len ({seq_len}) and the batch size "
                      f"({global_batch}) must be positive.")
-  if global_batch % process_count or not 0 <= process_index < process_count:
-    raise ValueError(
-        f"batch size {global_batch} must divide evenly over {process_count} "
-        f"processes, and process_index ({process_index}) lie in "
-        f"[0, {process_count}).")
+  _check_process_split(global_batch, process_index, process_count)
   corpus = _corpus(cfg, split)
   bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
 
@@ -503,11 +509,7 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   if seq_len < 1 or batch_size < 1 or num_batches < 1:
     raise ValueError(f"seq_len ({seq_len}), batch size ({batch_size}) and "
                      f"number of batches ({num_batches}) must be positive.")
-  if batch_size % process_count or not 0 <= process_index < process_count:
-    raise ValueError(
-        f"batch size {batch_size} must divide evenly over {process_count} "
-        f"processes, and process_index ({process_index}) lie in "
-        f"[0, {process_count}).")
+  _check_process_split(batch_size, process_index, process_count)
   stream = _validation_stream(data_cfg, tokenizer, data_cfg.val_tokens)
   length, n = seq_len + 1, batch_size * num_batches
   if stream.size < length:
