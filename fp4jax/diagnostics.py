@@ -78,7 +78,11 @@ def signal_to_noise(approx, exact):
   """||exact|| / ||approx - exact|| over all elements (inf when they are equal, NaN when both are zero)."""
   exact = jnp.asarray(exact, jnp.float32)
   noise = jnp.linalg.norm((jnp.asarray(approx, jnp.float32) - exact).ravel())
-  signal = jnp.linalg.norm(exact.ravel())
+  return signal_to_noise_from_norms(jnp.linalg.norm(exact.ravel()), noise)
+
+
+def signal_to_noise_from_norms(signal, noise):
+  """signal / noise (arrays of norms): inf where only noise is 0, NaN where both are."""
   return jnp.where(noise > 0, signal / jnp.where(noise > 0, noise, 1.0),
                    jnp.where(signal > 0, jnp.inf, jnp.nan))
 

@@ -33,6 +33,12 @@ Hadamard signs come from fold_in(role_key, 2), shared by both operands.
 Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
 layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
 the "hadamard" rng stream).
+
+Adaptive Wgrad (fp4jax.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
+takes a runtime boolean `wgrad_switched`; where it is true the backward
+computes Wgrad with `gemm` (FP8 or unquantized) instead of the recipe's, one
+lax.cond that runs only the chosen GEMM (both are compiled). Without the flag
+nothing changes.
 """
 
 import functools
@@ -109,26 +115,27 @@ class _Static(NamedTuple):
   precision: object
   out_dtype: object
   out_sharding: object
+  switch_wgrad_to: Gemm | None = None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qdot(s: _Static, lhs, rhs, key, layer_key):
-  return _fwd(s, lhs, rhs, key, layer_key)[0]
+def _qdot(s: _Static, lhs, rhs, key, layer_key, wgrad_switched):
+  return _fwd(s, lhs, rhs, key, layer_key, wgrad_switched)[0]
 
 
 def _role_key(key, role):
   return None if key is None else jax.random.fold_in(key, role)
 
 
-def _fwd(s, lhs, rhs, key, layer_key):
+def _fwd(s, lhs, rhs, key, layer_key, wgrad_switched):
   y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, _role_key(key, 0), _role_key(layer_key, 0),
             s.recipe, s.precision, s.out_dtype, s.out_sharding)
-  return y, (lhs, rhs, key, layer_key)
+  return y, (lhs, rhs, key, layer_key, wgrad_switched)
 
 
 def _bwd(s, res, dy):
   """Dgrad dX = dY . W over W's free dims; Wgrad dW = X . dY over X's free dims."""
-  lhs, rhs, key, layer_key = res
+  lhs, rhs, key, layer_key, wgrad_switched = res
   (lc, rc), (lb, rb) = s.dims
   lf = [d for d in range(lhs.ndim) if d not in lc + lb]
   rf = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -140,8 +147,12 @@ def _bwd(s, res, dy):
              _role_key(layer_key, 1), s.recipe, s.precision, lhs.dtype)
   # dx axes: batch (lb), lhs free (lf), then rhs's remaining dims (rc, by rhs index).
   dx = _to_layout(dx, list(lb) + lf + [lc[rc.index(r)] for r in sorted(rc)])
-  dw = _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), s.recipe.wgrad, _role_key(key, 2),
-             _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
+  wgrad = lambda gemm: _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), gemm, _role_key(key, 2),
+                             _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
+  if wgrad_switched is None:
+    dw = wgrad(s.recipe.wgrad)
+  else:
+    dw = lax.cond(wgrad_switched, lambda: wgrad(s.switch_wgrad_to), lambda: wgrad(s.recipe.wgrad))
   # dw axes: batch (rb), lhs's remaining dims (lc, by lhs index), rhs free (rf).
   dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
   fprop = s.recipe.fprop
@@ -149,7 +160,7 @@ def _bwd(s, res, dy):
     dx = _trust_masked(dx, lhs, lc, True, fprop, fprop.lhs, key, layer_key)
   if fprop.rhs is not None and fprop.rhs.has_trust_mask:
     dw = _trust_masked(dw, rhs, rc, False, fprop, fprop.rhs, key, layer_key)
-  return dx, dw, None, None
+  return dx, dw, None, None, None
 
 
 def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
@@ -174,41 +185,51 @@ def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
 _qdot.defvjp(_fwd, _bwd)
 
 
-def dot_general(recipe: Recipe):
+def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   """The recipe's quantized drop-in for jax.lax.dot_general.
 
   Returns fn(lhs, rhs, dimension_numbers, precision=None,
-  preferred_element_type=None, out_sharding=None, key=None, layer_key=None)
-  -> array with lax.dot_general's output shape and dtype. `key` (a PRNG key,
-  fresh per call) is required when recipe.is_random and ignored otherwise;
-  `layer_key` (a PRNG key, the layer's own, the same every step) is required
-  when recipe.needs_layer_key (per-layer Hadamard signs) and ignored
-  otherwise. A recipe that neither
-  quantizes nor rotates (e.g. "bf16") calls lax.dot_general with the caller's
-  arguments (no custom_vjp: bitwise lax.dot_general, gradients included).
+  preferred_element_type=None, out_sharding=None, key=None, layer_key=None,
+  wgrad_switched=None) -> array with lax.dot_general's output shape and dtype.
+  `key` (a PRNG key, fresh per call) is required when recipe.is_random and
+  ignored otherwise; `layer_key` (a PRNG key, the layer's own, the same every
+  step) is required when recipe.needs_layer_key (per-layer Hadamard signs)
+  and ignored otherwise. `wgrad_switched` (a boolean scalar, may be traced)
+  needs `switch_wgrad_to`, a deterministic Gemm: where true, Wgrad is
+  computed with it instead of recipe.wgrad (None: recipe.wgrad, no
+  lax.cond). A recipe that neither quantizes nor rotates (e.g. "bf16") calls
+  lax.dot_general with the caller's arguments (no custom_vjp: bitwise
+  lax.dot_general, gradients included; `wgrad_switched` is ignored).
   """
   if not isinstance(recipe, Recipe):
     raise TypeError(f"dot_general takes a Recipe, e.g. fp4jax.recipe('mxfp4-dh16'); "
                     f"got {recipe!r}")
+  if switch_wgrad_to is not None and (switch_wgrad_to.is_random
+                                      or switch_wgrad_to.needs_layer_key):
+    raise ValueError(f"switch_wgrad_to must be a deterministic Gemm, got {switch_wgrad_to!r}")
   if recipe.is_plain:
     return _plain
 
   def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-         out_sharding=None, key=None, layer_key=None):
+         out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
     if recipe.is_random and key is None:
       raise ValueError(f"recipe {recipe.name!r} is random (stochastic rounding or per-step "
                        "Hadamard signs) and needs key=")
     if recipe.needs_layer_key and layer_key is None:
       raise ValueError(f"recipe {recipe.name!r} uses per-layer Hadamard signs and needs "
                        "layer_key= (the layer's key, the same every step)")
+    if wgrad_switched is not None and switch_wgrad_to is None:
+      raise ValueError("wgrad_switched= needs dot_general(recipe, switch_wgrad_to=gemm)")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
             (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    s = _Static(recipe, dims, precision, out_dtype, out_sharding)
+    s = _Static(recipe, dims, precision, out_dtype, out_sharding, switch_wgrad_to)
+    if wgrad_switched is not None:
+      wgrad_switched = jnp.asarray(wgrad_switched, jnp.bool_)
     return _qdot(s, lhs, rhs, key if recipe.is_random else None,
-                 layer_key if recipe.needs_layer_key else None)
+                 layer_key if recipe.needs_layer_key else None, wgrad_switched)
 
   return fn
 
@@ -222,8 +243,9 @@ def _axes(dims, x, name):
 
 
 def _plain(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-           out_sharding=None, key=None, layer_key=None):
-  """lax.dot_general with the caller's arguments; `key`, `layer_key` are accepted and unused."""
-  del key, layer_key
+           out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
+  """lax.dot_general with the caller's arguments; `key`, `layer_key`, `wgrad_switched` are
+  accepted and unused."""
+  del key, layer_key, wgrad_switched
   return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                          out_sharding=out_sharding)

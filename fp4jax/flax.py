@@ -8,6 +8,8 @@ stream "hadamard" only when the recipe has per-layer Hadamard signs. Pass the
 make_rng folds in the module's path, so each layer gets its own signs, fixed
 for the run (under nn.scan, add "hadamard" to split_rngs). For deterministic
 recipes `nn.Dense(..., dot_general=fp4jax.dot_general(r))` works as well.
+`switch_wgrad_to` and `wgrad_switched` (a boolean scalar, may be traced) are
+passed to dot_general (fp4jax.adaptive: a layer's Wgrad switched at run time).
 
 NNX: `nnx.Linear(din, dout, dot_general=fp4jax.dot_general(r), rngs=rngs)` for
 deterministic recipes; for random ones pass `NNXDotGeneral(r, rngs)`, which
@@ -20,13 +22,14 @@ calls jnp.einsum without a dot_general hook, so it cannot be quantized.
 """
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 from flax import nnx
 import jax.numpy as jnp
 
 from fp4jax import dot
-from fp4jax.recipes import Recipe
+from fp4jax.recipes import Gemm, Recipe
 
 
 class DotGeneral(nn.Module):
@@ -41,6 +44,8 @@ class DotGeneral(nn.Module):
 
   recipe: Recipe
   capture: bool = False
+  switch_wgrad_to: Gemm | None = None
+  wgrad_switched: Any = None
 
   @classmethod
   def partial(cls, **fields):
@@ -62,9 +67,9 @@ class DotGeneral(nn.Module):
       self.sow("intermediates", "rhs", rhs)
       if layer_key is not None:
         self.sow("intermediates", "layer_key", layer_key)
-    y = dot.dot_general(self.recipe)(lhs, rhs, dimension_numbers, precision,
-                                     preferred_element_type, out_sharding=out_sharding, key=key,
-                                     layer_key=layer_key)
+    y = dot.dot_general(self.recipe, self.switch_wgrad_to)(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding,
+        key=key, layer_key=layer_key, wgrad_switched=self.wgrad_switched)
     return self.perturb("out", y) if self.capture else y
 
 

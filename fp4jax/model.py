@@ -282,9 +282,11 @@ def _dense(features, axis, kernel_axes, dot_cls, dtype, name):
       kernel_init=nn.with_logical_partitioning(init, kernel_axes, rules=()))
 
 
-def _dot_cls(recipe, cfg):
-  """The `dot_general_cls` of a linear layer on `recipe` (capturing when cfg.capture_dots)."""
-  return functools.partial(fp4flax.DotGeneral, recipe=recipe, capture=cfg.capture_dots)
+def _dot_cls(recipe, cfg, switch_wgrad_to=None, wgrad_switched=None):
+  """The `dot_general_cls` of a linear layer on `recipe` (capturing when cfg.capture_dots),
+  whose Wgrad is `switch_wgrad_to` where `wgrad_switched` (fp4jax.adaptive)."""
+  return functools.partial(fp4flax.DotGeneral, recipe=recipe, capture=cfg.capture_dots,
+                           switch_wgrad_to=switch_wgrad_to, wgrad_switched=wgrad_switched)
 
 
 def _constrain(x, *names):
@@ -293,15 +295,16 @@ def _constrain(x, *names):
 
 
 class Attention(nn.Module):
-  """Causal grouped-query self-attention with Llama 3 RoPE."""
+  """Causal grouped-query self-attention with Llama 3 RoPE (see Block for the Wgrad switch)."""
   config: LlamaConfig
   recipe: recipes.Recipe
+  switch_wgrad_to: recipes.Gemm | None = None
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, wgrad_switched=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    dot_cls = _dot_cls(self.recipe, cfg)
+    dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
     h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q_BxLxHxD = _dense((h, d), -1, ("embed", "heads", "head_dim"), dot_cls, dtype, "q")(x_BxLxD)
     k_BxLxKxD = _dense((kv, d), -1, ("embed", "kv_heads", "head_dim"), dot_cls, dtype, "k")(x_BxLxD)
@@ -322,7 +325,8 @@ class Attention(nn.Module):
     else:
       qk_dot = pv_dot = jax.lax.dot_general
       if cfg.quantize_attention:
-        qk_dot, pv_dot = dot_cls(name="qk"), dot_cls(name="pv")
+        # No weights, so no Wgrad to switch.
+        qk_dot, pv_dot = (_dot_cls(self.recipe, cfg)(name=n) for n in ("qk", "pv"))
       y_BxLxHxD = _causal_gqa(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, qk_dot, pv_dot)
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
     return _dense(cfg.dim, (-2, -1), ("heads", "head_dim", "embed"), dot_cls, dtype, "o")(y_BxLxHxD)
@@ -347,15 +351,16 @@ def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
 
 
 class Mlp(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (see Block for the Wgrad switch)."""
   config: LlamaConfig
   recipe: recipes.Recipe
+  switch_wgrad_to: recipes.Gemm | None = None
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxLxD, wgrad_switched=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    dot_cls = _dot_cls(self.recipe, cfg)
+    dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
     gate_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "gate")(x_BxLxD)
     up_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "up")(x_BxLxD)
     h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
@@ -364,19 +369,26 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm transformer block; returns (x, None) so nn.scan can carry x."""
+  """One pre-norm transformer block; returns (x, None) so nn.scan can carry x.
+
+  wgrad_switched: None, or a boolean scalar (may be traced): where true, the
+  Wgrad of the block's seven linears is `switch_wgrad_to` instead of the
+  recipe's (fp4jax.adaptive).
+  """
   config: LlamaConfig
   recipe: recipes.Recipe
+  switch_wgrad_to: recipes.Gemm | None = None
 
   @nn.compact
-  def __call__(self, x_BxLxD, _=None):
+  def __call__(self, x_BxLxD, wgrad_switched=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
+    to = self.switch_wgrad_to
     x_BxLxD = _constrain(x_BxLxD, "activation_embed")
     h_BxLxD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BxLxD)
-    x_BxLxD = x_BxLxD + Attention(cfg, self.recipe, name="attn")(h_BxLxD)
+    x_BxLxD = x_BxLxD + Attention(cfg, self.recipe, to, name="attn")(h_BxLxD, wgrad_switched)
     h_BxLxD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BxLxD)
-    x_BxLxD = x_BxLxD + Mlp(cfg, self.recipe, name="mlp")(h_BxLxD)
+    x_BxLxD = x_BxLxD + Mlp(cfg, self.recipe, to, name="mlp")(h_BxLxD, wgrad_switched)
     return _constrain(x_BxLxD, "activation_embed"), None
 
 
@@ -388,12 +400,18 @@ class Llama(nn.Module):
   scan_layers), final_norm/scale, head/kernel. Random recipes draw from the
   "quant" rng stream, per-layer Hadamard signs from the "hadamard" stream (both
   split across the layers under scan_layers).
+
+  switch_wgrad_to, wgrad_switched_L: the adaptive Wgrad switch
+  (fp4jax.adaptive): wgrad_switched_L, bool [n_layers] (may be traced) or
+  None, says which blocks compute their linears' Wgrad with the Gemm
+  `switch_wgrad_to` (needs scan_layers=False).
   """
   config: LlamaConfig
   recipe: recipes.Recipe
+  switch_wgrad_to: recipes.Gemm | None = None
 
   @nn.compact
-  def __call__(self, tokens_BxL):
+  def __call__(self, tokens_BxL, wgrad_switched_L=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     embed = nn.Embed(
@@ -406,6 +424,8 @@ class Llama(nn.Module):
     if cfg.remat != "none":
       block_cls = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
+      if wgrad_switched_L is not None:
+        raise ValueError("the per-block Wgrad switch needs scan_layers=False")
       blocks = nn.scan(
           block_cls,
           variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
@@ -417,7 +437,9 @@ class Llama(nn.Module):
       plain = recipes.recipe("bf16")
       for i in range(cfg.n_layers):
         recipe = plain if cfg.is_bf16(i) else self.recipe
-        x_BxLxD, _ = block_cls(cfg, recipe, name=f"block_{i}")(x_BxLxD)
+        switched = None if wgrad_switched_L is None else wgrad_switched_L[i]
+        x_BxLxD, _ = block_cls(cfg, recipe, self.switch_wgrad_to, name=f"block_{i}")(
+            x_BxLxD, switched)
 
     x_BxLxD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BxLxD)
     head_dot = None

@@ -10,6 +10,10 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   quant_schedule              ((start, recipe), ...): later switches of the
                               recipe (fp4jax.schedule); () = config.quant
                               throughout
+  adaptive_wgrad              fp4jax.adaptive.adaptive_config(): per-block
+                              switch of Wgrad to fp8/bf16 when its SNR stays
+                              below a threshold (enabled, threshold, window,
+                              every, to)
   model                       model_template(): name (a MODEL_PRESETS key) and
                               LlamaConfig fields (None = the preset's value;
                               vocab_size None = the tokenizer's)
@@ -41,6 +45,7 @@ import re
 import ml_collections
 from ml_collections import config_dict
 
+from fp4jax import adaptive
 from fp4jax import data
 from fp4jax import errors
 from fp4jax import model as model_lib
@@ -97,6 +102,7 @@ def base_config():
       seed=0,
       quant=recipes.config_template("bf16"),
       quant_schedule=(),       # ((start step or fraction, recipe), ...): fp4jax.schedule
+      adaptive_wgrad=adaptive.adaptive_config(),  # per-block Wgrad switch: fp4jax.adaptive
       model=model_template("tiny"),
       data=data.data_config(),
       batch_size=8,            # global, sequences per step

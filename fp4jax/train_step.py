@@ -77,13 +77,17 @@ def init_state(model, tx, key, seq_len):
                     skipped=zero, bad_in_row=zero)
 
 
-def loss_fn(model, params, tokens_BxL1, key, layer_key=None):
+def loss_fn(model, params, tokens_BxL1, key, layer_key=None, wgrad_switched_L=None):
   """Mean next-token cross-entropy of tokens[:, 1:] given tokens[:, :-1].
 
-  key feeds the "quant" rng stream, layer_key (when given) the "hadamard" one.
+  key feeds the "quant" rng stream, layer_key (when given) the "hadamard" one;
+  wgrad_switched_L (bool [n_layers] or None): the blocks whose Wgrad uses
+  model.switch_wgrad_to (fp4jax.adaptive).
   """
   rngs = {"quant": key} if layer_key is None else {"quant": key, "hadamard": layer_key}
-  logits_BxLxV = model.apply({"params": params}, tokens_BxL1[:, :-1], rngs=rngs)
+  inputs_BxL = tokens_BxL1[:, :-1]
+  args = (inputs_BxL,) if wgrad_switched_L is None else (inputs_BxL, wgrad_switched_L)
+  logits_BxLxV = model.apply({"params": params}, *args, rngs=rngs)
   return optax.softmax_cross_entropy_with_integer_labels(
       logits_BxLxV, tokens_BxL1[:, 1:]).mean()
 
@@ -102,7 +106,9 @@ def _micro_batches(tokens_BxL1, n):
 
 def make_train_step(model, tx, schedule, *, seed_key, n_micro,
                     nan_steps=()):
-  """Returns step(state, tokens_BxL1) -> (state, metrics).
+  """Returns step(state, tokens_BxL1, wgrad_switched_L=None) -> (state, metrics).
+
+  wgrad_switched_L: see loss_fn (None: the recipe's Wgrad everywhere).
 
   metrics: loss, grad_norm, lr (the rate this step's update used), skipped,
   bad_in_row. nan_steps: a test hook; the loss of these steps
@@ -112,23 +118,23 @@ def make_train_step(model, tx, schedule, *, seed_key, n_micro,
   nan_steps = jnp.asarray(tuple(nan_steps), jnp.int32)
   run_layer_key = layer_key(seed_key)
 
-  def step_loss(params, tokens_BxL1, key, step):
-    loss = loss_fn(model, params, tokens_BxL1, key, run_layer_key)
+  def step_loss(params, tokens_BxL1, key, step, wgrad_switched_L):
+    loss = loss_fn(model, params, tokens_BxL1, key, run_layer_key, wgrad_switched_L)
     if nan_steps.size:
       loss = loss * jnp.where(jnp.isin(step + 1, nan_steps), jnp.nan, 1.0)
     return loss
 
   grad_fn = jax.value_and_grad(step_loss)
 
-  def step(state, tokens_BxL1):
+  def step(state, tokens_BxL1, wgrad_switched_L=None):
     step_key = jax.random.fold_in(seed_key, state.step)
     if n_micro == 1:
-      loss, grads = grad_fn(state.params, tokens_BxL1, step_key, state.step)
+      loss, grads = grad_fn(state.params, tokens_BxL1, step_key, state.step, wgrad_switched_L)
     else:
       def accumulate(carry, xs):
         i, tokens = xs
         out = grad_fn(state.params, tokens, jax.random.fold_in(step_key, i),
-                      state.step)
+                      state.step, wgrad_switched_L)
         return jax.tree.map(jnp.add, carry, out), None
 
       zero = (jnp.zeros((), jnp.float32),

@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
+from fp4jax import adaptive
 from fp4jax import data
 from fp4jax import init_from
 from fp4jax import model as model_lib
@@ -67,6 +68,7 @@ def _start(config):
     model_cfg, recipe = resolve(config, tokenizer)
     segs = schedule.segments(recipe, config.get("quant_schedule"), config.steps,
                              lambda quant: resolve_recipe(quant, config.dtype))
+    adaptive.check(config.adaptive_wgrad, model_cfg, recipe)
     mesh = sharding.make_mesh(config.mesh)
     micro_batch = _micro_batch(config)
     for seg in segs:
@@ -129,14 +131,14 @@ class _SaveOnError:
   `track(step_fn)` wraps the jitted step to know when that state exists.
   """
 
-  def __init__(self, ckpts, batches):
-    self._ckpts, self._batches = ckpts, batches
+  def __init__(self, ckpts, checkpoint_data):
+    self._ckpts, self._checkpoint_data = ckpts, checkpoint_data
     self._state = None  # None before the first step and while a step runs
 
   def track(self, step_fn):
-    def tracked(state, batch):
+    def tracked(state, batch, *flags):
       self._state = None
-      out = step_fn(state, batch)
+      out = step_fn(state, batch, *flags)
       self._state = out[0]
       return out
     return tracked
@@ -150,7 +152,7 @@ class _SaveOnError:
     if jax.process_count() > 1:  # saving needs every process: not on one's error
       return False
     step = int(self._state.step)
-    self._ckpts.save(step, self._state, _data_states(self._batches))
+    self._ckpts.save(step, self._state, self._checkpoint_data())
     self._ckpts.wait()
     print(f"fp4jax: stopping at step {step} on {type(error).__name__}; saved "
           f"a checkpoint at step {step} first.", file=sys.stderr, flush=True)
@@ -165,23 +167,28 @@ _OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
 class _Programs:
   """The jitted functions of one run and the shardings they use."""
   init: Any             # params_key -> TrainState
-  step: Any             # (state, tokens_BxL1) -> (state, metrics)
+  step: Any             # (state, tokens_BxL1[, wgrad_switched_L]) -> (state, metrics)
   eval: Any             # (params, tokens_BxL1, index) -> loss
   abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
   params_key: Any
+  model: Any            # the Llama module
+  switchable: bool      # step takes wgrad_switched_L (fp4jax.adaptive)
 
 
 @functools.lru_cache(maxsize=4)
 def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
-              seq_len, mesh):
+              seq_len, mesh, switch_wgrad_to=None):
   """Builds (and caches) the jitted init, step and eval of a run.
+
+  switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.adaptive); the
+  step then takes the bool [n_layers] wgrad_switched_L as a third argument.
 
   Runs in one process that differ only in data, evaluation, checkpointing or
   stopping share these, so they compile once (tests and sweeps rely on it).
   Parameters and optimizer state are created directly sharded: init is
   jitted with out_shardings from the model's logical axis names.
   """
-  model = model_lib.Llama(model_cfg, recipe)
+  model = model_lib.Llama(model_cfg, recipe, switch_wgrad_to)
   tx, schedule = train_step.optimizer(
       ml_collections.ConfigDict(dict(optimizer_items)))
   seed_key = jax.random.key(seed)
@@ -200,13 +207,15 @@ def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
   return _Programs(
       init=jax.jit(lambda key: nn.unbox(init(key)),
                    out_shardings=state_shardings),
-      step=jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+      step=jax.jit(step, in_shardings=(state_shardings, batch_sharding)
+                   + ((replicated,) if switch_wgrad_to is not None else ()),
                    out_shardings=(state_shardings, replicated),
                    donate_argnums=0),
       eval=jax.jit(train_step.make_eval_step(model, eval_key, train_step.layer_key(seed_key)),
                    in_shardings=(state_shardings.params, batch_sharding, None),
                    out_shardings=replicated),
-      abstract=abstract, params_key=params_key)
+      abstract=abstract, params_key=params_key, model=model,
+      switchable=switch_wgrad_to is not None)
 
 
 def _data_states(batches):
@@ -224,6 +233,13 @@ def _data_states(batches):
   padded[:raw.size] = raw
   rows = multihost_utils.process_allgather(padded)  # [processes, size]
   return {"processes": [json.loads(bytes(r).rstrip(b"\0")) for r in rows]}
+
+
+def _replicated(x, mesh):
+  """A small host array as a global jax.Array replicated over `mesh` (any number of hosts)."""
+  x = np.asarray(x)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.make_array_from_callback(x.shape, spec, lambda index: x[index])
 
 
 def _restore_data_state(batches, saved):
@@ -297,7 +313,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
       model_cfg, seg.recipe,
       tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
       config.batch_size // micro_batch, tuple(config.nan_steps),
-      config.seq_len, mesh) for seg in segs]
+      config.seq_len, mesh, adaptive.switch_target(config.adaptive_wgrad, seg.recipe))
+      for seg in segs]
   programs = segment_programs[0]
   abstract = programs.abstract
 
@@ -312,6 +329,20 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   else:
     _, state, data_state = restored
     _restore_data_state(batches, data_state)
+  controller = None
+  if config.adaptive_wgrad.enabled:
+    controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed,
+                                     train_step.layer_key(jax.random.key(config.seed)))
+    if restored is not None and "adaptive_wgrad" in data_state:
+      controller.decisions.load_state_dict(data_state["adaptive_wgrad"])
+
+  def checkpoint_data():
+    """The checkpoint's JSON item: data positions and the adaptive switch's decisions."""
+    out = _data_states(batches)
+    if controller is not None:
+      out["adaptive_wgrad"] = controller.decisions.state_dict()
+    return out
+
   start = int(state.step)
   if main:
     workdir_lib.set_aside_history(workdir, start)
@@ -340,7 +371,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   pending_time, pending_steps = 0.0, 0
   step = start
   with (sharding.use_mesh(mesh), _StopSignals() as signals,
-        _SaveOnError(ckpts, batches) as on_error):
+        _SaveOnError(ckpts, checkpoint_data) as on_error):
     segment_programs = [dataclasses.replace(p, step=on_error.track(p.step))
                         for p in segment_programs]
     programs = segment_programs[schedule.segment_index(segs, start)]
@@ -359,7 +390,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
       switched = seg > 0 and segs[seg].start == step
       t0 = time.time()
       batch = sharding.global_batch(next(batches), mesh)
-      state, metrics = programs.step(state, batch)
+      flags = (_replicated(controller.flags(), mesh),) if programs.switchable else ()
+      state, metrics = programs.step(state, batch, *flags)
       metrics = jax.device_get(metrics)
       dt = time.time() - t0
       step += 1
@@ -376,6 +408,10 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                  tokens_per_s=pending_steps * tokens_per_step / pending_time,
                  skipped_steps=int(metrics["skipped"]))
       extra = {"recipe": segs[seg].recipe.name} if switched else {}
+      if controller is not None:
+        extra.update(controller.after_step(step, programs.model, state.params, batch,
+                                           log=functools.partial(print, flush=True) if main
+                                           else lambda _: None))
       for cb in callbacks:
         extra.update(cb(step, state, batch) or {})
       row.update(extra)
@@ -409,12 +445,12 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
       if status != "completed":
         break
       if step % config.checkpoint_every == 0 and bad_in_row == 0:
-        ckpts.save(step, state, _data_states(batches))
+        ckpts.save(step, state, checkpoint_data())
     if eval_loss is None and status != "diverged":  # resumed a finished run
       eval_loss = _evaluate(programs.eval, state.params, val_batches)["eval_loss"]
       eval_step = step
     if status != "diverged" and step > 0:
-      ckpts.save(step, state, _data_states(batches))
+      ckpts.save(step, state, checkpoint_data())
     ckpts.wait()
   ckpts.close()
   log.close()
@@ -430,6 +466,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
       wall_time_s=time.time() - t_start, train_time_s=train_time,
       tokens_per_s=((train_steps - 1) * tokens_per_step / steady_time
                     if steady_time > 0 else None))
+  if controller is not None:
+    summary["wgrad_switches"] = controller.switches()
   if main:
     workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
     _print_summary(summary)
