@@ -38,6 +38,7 @@ recipe whose Wgrad is quantized.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -46,7 +47,9 @@ import ml_collections
 import numpy as np
 
 from fp4jax import diagnostics
+from fp4jax import model as model_lib
 from fp4jax import recipes
+from fp4jax import train_step
 
 DEFAULT_THRESHOLD = math.sqrt(3)  # Chmiel et al.; = fp4jax.experiments.stats.SNR_THRESHOLD
 TARGETS = ("fp8", "bf16")
@@ -60,26 +63,19 @@ def adaptive_config() -> ml_collections.ConfigDict:
       enabled=False, threshold=DEFAULT_THRESHOLD, window=3, every=50, to="fp8"))
 
 
-def _is_int(x):
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check(cfg, model_cfg, first_recipe):
   """ValueError (one line, naming the key) on a bad config.adaptive_wgrad value.
 
   The values are checked even when disabled; the model and recipe only when
   enabled.
   """
-  where = "config.adaptive_wgrad"
-  if not isinstance(cfg.enabled, bool):
-    raise ValueError(f"{where}.enabled must be True or False, got {cfg.enabled!r}")
-  threshold = cfg.threshold
-  if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-    raise ValueError(f"{where}.threshold must be a number > 0 (a Wgrad SNR, default sqrt(3)), "
-                     f"got {threshold!r}")
+  where = "config.adaptive_wgrad"  # (the ConfigDict enforces each key's type)
+  if not cfg.threshold > 0:
+    raise ValueError(f"{where}.threshold must be > 0 (a Wgrad SNR, default sqrt(3)), "
+                     f"got {cfg.threshold!r}")
   for key in ("window", "every"):
-    if not _is_int(cfg[key]) or cfg[key] < 1:
-      raise ValueError(f"{where}.{key} must be an int >= 1, got {cfg[key]!r}")
+    if cfg[key] < 1:
+      raise ValueError(f"{where}.{key} must be >= 1, got {cfg[key]!r}")
   if cfg.to not in TARGETS:
     raise ValueError(f"{where}.to must be one of {', '.join(TARGETS)}, got {cfg.to!r}")
   if not cfg.enabled:
@@ -158,18 +154,19 @@ class WgradSwitch:
                 for b in self.blocks}
 
 
-def make_monitor(model, blocks, layer_key=None):
+@functools.lru_cache(maxsize=8)
+def make_monitor(model_cfg, recipe, blocks: tuple, seed: int):
   """measure(params, tokens_BxL1, key) -> float32 [len(blocks)]: each block's Wgrad SNR.
 
-  model: the fp4jax.model.Llama being trained (its recipe is measured);
-  layer_key: the run's "hadamard" key (per-layer signs only). Jitted: one
-  capture of every linear's operands and output gradient
-  (fp4jax.diagnostics.capture), then the recipe's Wgrad against the exact one.
+  model_cfg, recipe: the model being trained (the recipe is measured);
+  seed: the run's seed (its layer key gives per-layer Hadamard signs). Jitted
+  (and cached, so runs of one process share it): one capture of every
+  linear's operands and output gradient (fp4jax.diagnostics.capture), then
+  the recipe's Wgrad against the exact one.
   """
-  cap_model = model.clone(config=dataclasses.replace(model.config, capture_dots=True),
-                          switch_wgrad_to=None)
+  cap_model = model_lib.Llama(dataclasses.replace(model_cfg, capture_dots=True), recipe)
+  layer_key = train_step.layer_key(jax.random.key(seed))
   layers = [f"block_{b}/{name}" for b in blocks for name in LINEARS]
-  recipe = model.recipe
 
   def measure(params, tokens_BxL1, key):
     ops = diagnostics.capture(cap_model, layers, params, tokens_BxL1, jax.random.fold_in(key, 0),
@@ -195,29 +192,23 @@ class Controller:
   """The switch of one run: measures every `every` steps, decides, logs.
 
   cfg: config.adaptive_wgrad (checked); model_cfg: the LlamaConfig; seed:
-  the run's seed; layer_key: train_step.layer_key(seed key).
+  the run's seed.
   """
 
-  def __init__(self, cfg, model_cfg, seed, layer_key):
-    self.cfg, self.model_cfg = cfg, model_cfg
-    self.seed, self.layer_key = seed, layer_key
+  def __init__(self, cfg, model_cfg, seed):
+    self.cfg, self.model_cfg, self.seed = cfg, model_cfg, seed
     self.decisions = WgradSwitch(model_cfg.n_layers, eligible_blocks(model_cfg),
                                  cfg.threshold, cfg.window)
-    self._monitors = {}
 
-  def _monitor(self, model):
-    if model.recipe not in self._monitors:
-      self._monitors[model.recipe] = make_monitor(model, self.decisions.blocks, self.layer_key)
-    return self._monitors[model.recipe]
-
-  def after_step(self, step, model, params, tokens_BxL1, log=print) -> dict:
+  def after_step(self, step, recipe, params, tokens_BxL1, log=print) -> dict:
     """Measures and decides at the steps with step % every == 0 (after the step,
-    on its batch); returns the metrics.jsonl entries ({} on other steps or
-    when `model`'s recipe has an unquantized Wgrad)."""
-    if step % self.cfg.every or model.recipe.wgrad.is_plain:
+    on its batch, with the step's `recipe`); returns the metrics.jsonl entries
+    ({} on other steps or when the recipe's Wgrad is unquantized)."""
+    if step % self.cfg.every or recipe.wgrad.is_plain:
       return {}
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), _KEY_DATA)
-    snr = np.asarray(jax.device_get(self._monitor(model)(params, tokens_BxL1, key)))
+    measure = make_monitor(self.model_cfg, recipe, tuple(self.decisions.blocks), self.seed)
+    snr = np.asarray(jax.device_get(measure(params, tokens_BxL1, key)))
     by_block = dict(zip(self.decisions.blocks, snr.tolist()))
     row = {f"adaptive_wgrad/block_{b}/snr": v for b, v in by_block.items()}
     switched = self.decisions.update(step, by_block)

@@ -171,7 +171,6 @@ class _Programs:
   eval: Any             # (params, tokens_BxL1, index) -> loss
   abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
   params_key: Any
-  model: Any            # the Llama module
   switchable: bool      # step takes wgrad_switched_L (fp4jax.adaptive)
 
 
@@ -214,7 +213,7 @@ def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
       eval=jax.jit(train_step.make_eval_step(model, eval_key, train_step.layer_key(seed_key)),
                    in_shardings=(state_shardings.params, batch_sharding, None),
                    out_shardings=replicated),
-      abstract=abstract, params_key=params_key, model=model,
+      abstract=abstract, params_key=params_key,
       switchable=switch_wgrad_to is not None)
 
 
@@ -331,8 +330,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
     _restore_data_state(batches, data_state)
   controller = None
   if config.adaptive_wgrad.enabled:
-    controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed,
-                                     train_step.layer_key(jax.random.key(config.seed)))
+    controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed)
     if restored is not None and "adaptive_wgrad" in data_state:
       controller.decisions.load_state_dict(data_state["adaptive_wgrad"])
 
@@ -409,7 +407,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                  skipped_steps=int(metrics["skipped"]))
       extra = {"recipe": segs[seg].recipe.name} if switched else {}
       if controller is not None:
-        extra.update(controller.after_step(step, programs.model, state.params, batch,
+        extra.update(controller.after_step(step, segs[seg].recipe, state.params, batch,
                                            log=functools.partial(print, flush=True) if main
                                            else lambda _: None))
       for cb in callbacks:
