@@ -96,7 +96,7 @@ def test_switch_routes_per_block():
   the recipe with the FP8 Wgrad, bitwise; none switched differs from it."""
   model_cfg = model_lib.model_config("tiny", dim=64, n_layers=2, n_heads=2, n_kv_heads=1,
                                      mlp_dim=64, vocab_size=64)
-  recipe = recipes.recipe("mxfp4-sr")
+  recipe = recipes.recipe("mxfp4")
   target = adaptive.target_gemm("fp8")
   tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 64)
   key = jax.random.key(7)
@@ -149,7 +149,7 @@ def test_monitor_snr_matches_the_model_gradients():
 
 
 def _config(**adaptive_overrides):
-  cfg = tiny_config(steps=6, eval_every=6, checkpoint_every=2, **{"quant.name": "mxfp4-sr"})
+  cfg = tiny_config(steps=6, eval_every=6, checkpoint_every=2, **{"quant.name": "mxfp4"})
   cfg.adaptive_wgrad.update(dict(enabled=True, every=1, window=3, to="fp8", **adaptive_overrides))
   return cfg
 
@@ -172,7 +172,7 @@ def test_trainer_switches_logs_and_resumes_bitwise(tmp_path):
   resumed decides at step 3 too and ends with the same bits."""
   off = str(tmp_path / "off")
   trainer.train(tiny_config(steps=6, eval_every=6, checkpoint_every=2,
-                            **{"quant.name": "mxfp4-sr"}), off)
+                            **{"quant.name": "mxfp4"}), off)
   never = str(tmp_path / "never")
   assert trainer.train(_config(threshold=1e-9), never)["wgrad_switches"] == {}
   assert _losses(never) == _losses(off)
