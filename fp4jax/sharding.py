@@ -236,7 +236,10 @@ def check_blocks(model_cfg, recipe, mesh: Mesh, *, micro_batch: int,
   features, Dgrad the output features, Wgrad the tokens M = micro_batch x
   seq_len, whose batch part is split over data x fsdp (so a device holds
   micro_batch / (data * fsdp) x seq_len of them). That local size must be a
-  multiple of the operand's MX block and of the GEMM's Hadamard block.
+  multiple of the operand's MX block and of the GEMM's Hadamard block. An
+  operand quantized in 2D tiles (`block_2d`) has a second tile side along its
+  other axes (flattened: a weight's other features, an activation's tokens),
+  whose local size must be a multiple of the tile too.
   (With `quantize_attention`, QK^T and PV contract head_dim and positions,
   which the rules never split, so they cannot straddle devices.)
   """
@@ -249,32 +252,36 @@ def check_blocks(model_cfg, recipe, mesh: Mesh, *, micro_batch: int,
   for layer, fan_in, fan_out in _linear_layers(model_cfg):
     x_in = [(_activation(n), s) for n, s in fan_in]
     dy_out = [(_activation(n), s) for n, s in fan_out]
-    gemms = {  # role: contraction, (lhs name, its axis), (rhs name, its axis)
-        "fprop": ("input features", ("x", x_in), ("w", fan_in)),
-        "dgrad": ("output features", ("dy", dy_out), ("w", fan_out)),
-        "wgrad": ("tokens (micro_batch x seq_len)", ("x", tokens),
-                  ("dy", tokens)),
+    gemms = {  # role: contraction, (lhs name, its axis, its other axes), (rhs ...)
+        "fprop": ("input features", ("x", x_in, tokens), ("w", fan_in, fan_out)),
+        "dgrad": ("output features", ("dy", dy_out, tokens), ("w", fan_out, fan_in)),
+        "wgrad": ("tokens (micro_batch x seq_len)", ("x", tokens, x_in),
+                  ("dy", tokens, dy_out)),
     }
     for role, (contracted, *operands) in gemms.items():
       gemm = getattr(recipe, role)
-      for (operand, axis), spec in zip(operands, (gemm.lhs, gemm.rhs)):
-        blocks = [("MX block", spec and spec.block),
-                  ("Hadamard block", gemm.hadamard and gemm.hadamard.block)]
-        for kind, block in blocks:
+      for (operand, axis, other), spec in zip(operands, (gemm.lhs, gemm.rhs)):
+        blocks = [("MX block", spec and spec.block, axis),
+                  ("Hadamard block", gemm.hadamard and gemm.hadamard.block, axis)]
+        if spec is not None and spec.block_2d:
+          blocks.append(("2D tile", spec.block, other))
+        for kind, block, along in blocks:
           if not block:
             continue
-          local = _local(mesh, axis, layer=layer, what=f"{role} {operand}")
+          local = _local(mesh, along, layer=layer, what=f"{role} {operand}")
           if local % block == 0:
             continue
-          if local == math.prod(size for _, size in axis):  # not split
+          where = (f"{role} contracts the {contracted} axis; operand {operand}"
+                   if along is axis else
+                   f"{role} quantizes operand {operand} in {block}x{block} tiles; "
+                   "along its other axes (the tiles' second side) it")
+          if local == math.prod(size for _, size in along):  # not split
             raise ValueError(
-                f"layer {layer}: {role} contracts the {contracted} axis; "
-                f"operand {operand} has size {local} along it, not a "
+                f"layer {layer}: {where} has size {local} along it, not a "
                 f"multiple of the {kind} {block} (choose sizes divisible "
                 f"by {block} or a recipe with a smaller block)")
           raise ValueError(
-              f"layer {layer}: {role} contracts the {contracted} axis; "
-              f"operand {operand} has local size {local} per device on mesh "
+              f"layer {layer}: {where} has local size {local} per device on mesh "
               f"{dict(mesh.shape)}, not a multiple of the {kind} {block}, "
               f"so a block would straddle two devices")
 

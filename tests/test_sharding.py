@@ -237,6 +237,22 @@ def test_check_blocks_fires_on_the_hadamard_block():
     assert part in msg, msg
 
 
+def test_check_blocks_checks_the_second_side_of_a_2d_tile():
+  # Fprop's weight in 32x32 MXFP4 tiles (no other role quantizes, so no
+  # contraction axis checks the output features): gate's kernel [128, 96]
+  # is fine on one device, but tensor = 2 leaves 48 output features each.
+  tiles = recipes.Recipe("w2d", fprop=recipes.Gemm(None, recipes.QuantSpec("mxfp4",
+                                                                          block_2d=True)))
+  cfg = dataclasses.replace(TINY, mlp_dim=96)
+  sharding.check_blocks(cfg, tiles, _mesh(1, 1, 1), micro_batch=8, seq_len=32)
+  with pytest.raises(ValueError) as err:
+    sharding.check_blocks(cfg, tiles, _mesh(1, 1, 2), micro_batch=8, seq_len=32)
+  msg = str(err.value)
+  for part in ("layer block_0/mlp/gate", "fprop quantizes operand w in 32x32 tiles",
+               "the tiles' second side", "local size 48 per device", "2D tile 32"):
+    assert part in msg, msg
+
+
 def test_check_blocks_skips_bf16_layers_and_names_the_head():
   bad = _mesh(1, 8, 1)
   all_bf16 = dataclasses.replace(
