@@ -184,6 +184,54 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
   ckpts.close()
 
 
+def _damage(step_dir, kind):
+  """Damages one part of a saved checkpoint directory."""
+  if kind == "array files removed":
+    arrays = os.path.join(step_dir, "state", "ocdbt.process_0", "d")
+    for name in os.listdir(arrays):
+      os.remove(os.path.join(arrays, name))
+    return
+  name = {"state metadata cut": "state/_METADATA",
+          "step metadata garbage": "_CHECKPOINT_METADATA"}[kind]
+  path = os.path.join(step_dir, name)
+  if kind.endswith("garbage"):
+    with open(path, "w") as f:
+      f.write("\x00not json{")
+  else:
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("kind, restored_step", [
+    ("array files removed", 1), ("state metadata cut", 1),
+    # Only orbax's record of the step (times, custom metadata): the arrays
+    # and the data state are whole, so the checkpoint is used.
+    ("step metadata garbage", 2)])
+# tensorstore reports a read that ends on a closed loop as "unraisable".
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_each_kind_of_damage_restores_without_a_traceback(
+    tmp_path, capfd, kind, restored_step):
+  directory = str(tmp_path / "checkpoints")
+  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False)
+  rng = np.random.default_rng(0)  # random: too big to be inlined in OCDBT
+  state = {f"w{i}": rng.standard_normal((64, 32), np.float32)
+           for i in range(6)}
+  for step in (1, 2):
+    ckpts.save(step, jax.tree.map(lambda x, s=step: x * s, state),
+               {"rows": [step]})
+  ckpts.wait()
+  _damage(os.path.join(directory, "2"), kind)
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  step, restored, data_state = ckpts.restore_latest(abstract)
+  ckpts.close()
+  assert step == restored_step and data_state == {"rows": [step]}
+  np.testing.assert_array_equal(restored["w3"], state["w3"] * step)
+  out = "".join(capfd.readouterr())
+  assert "Traceback" not in out and "Event loop is closed" not in out, out
+  assert os.path.isdir(tmp_path / "checkpoints_corrupt" / "2") == (step == 1)
+
+
 def _late_read_errors(restore_from_orbax):
   """Errors printed when a read ends after orbax's restore raised.
 
