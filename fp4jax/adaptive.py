@@ -34,7 +34,7 @@ deterministic: fixed keys per step).
 
 Config keys (config.adaptive_wgrad): enabled (False), threshold (sqrt(3)),
 window (3), every (50), to ("fp8"). Needs model.scan_layers=False and a
-recipe whose Wgrad is quantized.
+recipe whose Wgrad is quantized, with residuals="original".
 """
 
 import dataclasses
@@ -63,11 +63,11 @@ def adaptive_config() -> ml_collections.ConfigDict:
       enabled=False, threshold=DEFAULT_THRESHOLD, window=3, every=50, to="fp8"))
 
 
-def check(cfg, model_cfg, first_recipe):
+def check(cfg, model_cfg, first_recipe, all_recipes=()):
   """ValueError (one line, naming the key) on a bad config.adaptive_wgrad value.
 
-  The values are checked even when disabled; the model and recipe only when
-  enabled.
+  The values are checked even when disabled; the model and recipes (the
+  first, and all of a quant_schedule) only when enabled.
   """
   where = "config.adaptive_wgrad"  # (the ConfigDict enforces each key's type)
   if not cfg.threshold > 0:
@@ -86,6 +86,10 @@ def check(cfg, model_cfg, first_recipe):
   if first_recipe.wgrad.is_plain:
     raise ValueError(f"{where}: recipe {first_recipe.name!r} does not quantize Wgrad; "
                      "there is nothing to switch")
+  for recipe in (first_recipe, *all_recipes):
+    if recipe.residuals == "quantized":
+      raise ValueError(f"{where} needs quant.residuals='original': recipe {recipe.name!r} "
+                       "saves X only in its FP4 Wgrad form, and a switched Wgrad needs X")
   if not eligible_blocks(model_cfg):
     raise ValueError(f"{where}: every block is in model.bf16_layers "
                      f"{model_cfg.bf16_layers}; there is nothing to switch")

@@ -10,16 +10,66 @@ arrays do not fit the requested state (another model shape or optimizer) is
 not corrupt: `CheckpointMismatch` is raised and it stays where it is.
 """
 
+import asyncio
+import contextlib
 import logging
 import os
 import shutil
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src import asyncio_utils
 
 from fp4jax import errors
 
 _ITEMS = ("state", "data")
+
+
+@contextlib.contextmanager
+def _failed_reads_stopped():
+  """Within it, an orbax read that fails first stops the reads it started.
+
+  orbax 0.12 (0.12.8 is the newest) runs each restore as one coroutine in a
+  fresh asyncio loop (`asyncio_utils.run_sync`) and closes that loop as soon
+  as the coroutine raises, while the other reads of the failed `asyncio.gather`
+  (tasks awaiting tensorstore futures) still run. Each of those that ends
+  later has tensorstore call `call_soon_threadsafe` on the closed loop, which
+  prints a "RuntimeError: Event loop is closed" traceback: dozens for one
+  corrupt checkpoint, in most runs. Here the coroutine that raises first
+  cancels the loop's other tasks and waits for them, as `asyncio.run` does
+  before it closes a loop; a cancelled task cancels its tensorstore read
+  while the loop still runs. `run_sync` is wrapped only within this block.
+  """
+  run_sync = asyncio_utils.run_sync
+  asyncio_utils.run_sync = lambda coro: run_sync(_stopping_others_on_error(
+      coro))
+  try:
+    yield
+  finally:
+    asyncio_utils.run_sync = run_sync
+
+
+async def _stopping_others_on_error(coro):
+  """Awaits `coro`; if it raises, cancels and awaits the other tasks of the
+  loop (dropping their errors: those of reads cut short) and re-raises."""
+  try:
+    return await coro
+  except BaseException:
+    this = asyncio.current_task()
+    others = [task for task in asyncio.all_tasks() if task is not this]
+    for task in others:
+      task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+    raise
+
+
+def _first_cause(error):
+  """The innermost cause of `error` as "Type: its first line" (orbax wraps
+  the tensorstore error, which names the file, in one that prints a spec)."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  lines = str(error).strip().splitlines() or [""]
+  return f"{type(error).__name__}: {lines[0][:300]}"
 
 
 class CheckpointMismatch(errors.UserError):
@@ -109,11 +159,12 @@ class Checkpoints:
     for step in reversed(self.steps()):
       self._check_fits(step, wanted)
       try:
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore()))
+        with _failed_reads_stopped():
+          restored = self._manager.restore(
+              step,
+              args=ocp.args.Composite(
+                  state=ocp.args.StandardRestore(abstract_state),
+                  data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except
         # Orbax and tensorstore raise many types for unreadable files.
         self._set_aside(step, e)
@@ -125,7 +176,8 @@ class Checkpoints:
     """CheckpointMismatch if the metadata of `step` is readable and its
     arrays differ from `wanted`; an unreadable one is left to the restore."""
     try:
-      saved = self._manager.item_metadata(step)["state"]
+      with _failed_reads_stopped():
+        saved = self._manager.item_metadata(step)["state"]
       saved = _leaf_shapes(getattr(saved, "tree", saved))
     except Exception:  # pylint: disable=broad-except
       return
@@ -151,9 +203,9 @@ class Checkpoints:
       dst = os.path.join(dst_dir, f"{step}.{n}")
     shutil.move(src, dst)
     logging.warning(
-        "Checkpoint at step %d could not be read (%s: %s); moved it to %s "
-        "and falling back to the previous checkpoint.", step,
-        type(error).__name__, str(error)[:300], dst)
+        "Checkpoint at step %d could not be read (%s); moved it to %s and "
+        "falling back to the previous checkpoint.", step, _first_cause(error),
+        dst)
     self._manager.reload()
 
   def wait(self):

@@ -2,7 +2,9 @@
 
 `dot_general(recipe)` returns a function with lax.dot_general's signature plus
 `key` and `layer_key`. Forward and backward are a jax.custom_vjp whose residuals are the two
-original (high-precision) operands; each of the three GEMMs (recipes.py)
+original (high-precision) operands (with Recipe.residuals="quantized": the
+Wgrad lhs already flattened, rotated and quantized, packed by
+fp4jax.residuals, in place of the lhs); each of the three GEMMs (recipes.py)
 rotates and quantizes its operands along *its own* contraction axes and
 multiplies them with float32 accumulation, through a backend
 (fp4jax.backends: `xla` fake-quantizes and runs the GEMM in
@@ -41,6 +43,7 @@ lax.cond that runs only the chosen GEMM (both are compiled). Without the flag
 nothing changes.
 """
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -49,7 +52,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import backends, formats, hadamard
+from fp4jax import backends, formats, hadamard, residuals
 from fp4jax.backends import xla as xla_backend
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
@@ -73,31 +76,55 @@ def _flatten(x, axes, last=False):
   Returns (x', axis, where): axis is the merged axis of x', where[d] the new
   index of every other dim d of x (their order is kept).
   """
-  rest = [d for d in range(x.ndim) if d not in axes]
-  n = math.prod(x.shape[d] for d in axes)
+  perm, shape, axis, where = _flat_layout(x.shape, axes, last)
+  if perm is not None:
+    x = jnp.transpose(x, perm)
+  return x.reshape(shape), axis, where
+
+
+def _flat_layout(shape, axes, last):
+  """What _flatten does to an array of `shape`: (perm or None, shape', axis, where)."""
+  ndim = len(shape)
+  rest = [d for d in range(ndim) if d not in axes]
+  n = math.prod(shape[d] for d in axes)
   adjacent = bool(axes) and tuple(axes) == tuple(range(axes[0], axes[0] + len(axes)))
-  if adjacent and (not last or axes[-1] == x.ndim - 1):
+  if adjacent and (not last or axes[-1] == ndim - 1):
     a = axes[0]
     where = {d: d if d < a else d - len(axes) + 1 for d in rest}
-    return x.reshape(x.shape[:a] + (n,) + x.shape[a + len(axes):]), a, where
-  if list(axes) != list(range(len(rest), x.ndim)):
-    x = jnp.transpose(x, rest + list(axes))
-  return x.reshape(x.shape[:len(rest)] + (n,)), len(rest), {d: i for i, d in enumerate(rest)}
+    return None, shape[:a] + (n,) + shape[a + len(axes):], a, where
+  perm = rest + list(axes)
+  if perm == list(range(ndim)):
+    perm = None
+  return perm, tuple(shape[d] for d in rest) + (n,), len(rest), {d: i for i, d in enumerate(rest)}
+
+
+def _operand_keys(gemm: Gemm, key, layer_key):
+  """([lhs key, rhs key, signs key], rotation signs) of one GEMM (module docstring)."""
+  keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
+  return keys, rotation_signs(gemm.hadamard, keys[2], layer_key)
 
 
 def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out_dtype,
-          out_sharding=None):
-  """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says."""
+          out_sharding=None, saved_lhs=None):
+  """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says.
+
+  saved_lhs: the lhs as _save_lhs stored it (a residuals.Saved; then `a` is
+  only its shape, e.g. a jax.ShapeDtypeStruct), restored instead of
+  quantizing `a`.
+  """
   if gemm.is_plain:
     return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
   (ca, cb), (ba, bb) = dims
-  a, ia, wa = _flatten(a, ca, last=True)
-  b, ib, wb = _flatten(b, cb)
-  keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
-  signs = rotation_signs(gemm.hadamard, keys[2], layer_key)
+  keys, signs = _operand_keys(gemm, key, layer_key)
   backend = backends.for_gemm(recipe.backend, gemm)
   cdt = jnp.dtype(recipe.compute_dtype)
-  a = backend.quantize(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], cdt)
+  if saved_lhs is None:
+    a, ia, wa = _flatten(a, ca, last=True)
+    a = backend.quantize(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], cdt)
+  else:
+    _, _, ia, wa = _flat_layout(a.shape, ca, last=True)
+    a = backend.from_qarray(residuals.restore(saved_lhs), saved_lhs.dtype, cdt)
+  b, ib, wb = _flatten(b, cb)
   b = backend.quantize(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], cdt)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
   return backend.matmul(a, b, dims, precision, out_sharding).astype(out_dtype)
@@ -130,12 +157,38 @@ def _role_key(key, role):
 def _fwd(s, lhs, rhs, key, layer_key, wgrad_switched):
   y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, _role_key(key, 0), _role_key(layer_key, 0),
             s.recipe, s.precision, s.out_dtype, s.out_sharding)
+  if s.recipe.residuals == "quantized":
+    return y, (_save_lhs(s, lhs, key, layer_key), rhs, key, layer_key, wgrad_switched)
   return y, (lhs, rhs, key, layer_key, wgrad_switched)
+
+
+def _save_lhs(s, lhs, key, layer_key):
+  """The Wgrad lhs flattened, padded and rotated as _gemm prepares it, quantized (_SavedLhs)."""
+  gemm = s.recipe.wgrad
+  keys, signs = _operand_keys(gemm, _role_key(key, 2), _role_key(layer_key, 2))
+  (lc, _), (lb, _) = s.dims
+  free = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
+  a, ia, _ = _flatten(lhs, free, last=True)
+  a = xla_backend.rotate(a, gemm.hadamard, signs, ia)
+  return _SavedLhs(residuals.save(a, gemm.lhs, ia, keys[0]), lhs.shape, jnp.dtype(lhs.dtype))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["saved"],
+                   meta_fields=["shape", "dtype"])
+@dataclasses.dataclass(frozen=True)
+class _SavedLhs:
+  """The residual that replaces the lhs: its saved Wgrad operand, and its shape and dtype."""
+  saved: residuals.Saved
+  shape: tuple
+  dtype: jnp.dtype
 
 
 def _bwd(s, res, dy):
   """Dgrad dX = dY . W over W's free dims; Wgrad dW = X . dY over X's free dims."""
   lhs, rhs, key, layer_key, wgrad_switched = res
+  saved_lhs = None
+  if s.recipe.residuals == "quantized":
+    saved_lhs, lhs = lhs.saved, jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
   (lc, rc), (lb, rb) = s.dims
   lf = [d for d in range(lhs.ndim) if d not in lc + lb]
   rf = [d for d in range(rhs.ndim) if d not in rc + rb]
@@ -148,7 +201,8 @@ def _bwd(s, res, dy):
   # dx axes: batch (lb), lhs free (lf), then rhs's remaining dims (rc, by rhs index).
   dx = _to_layout(dx, list(lb) + lf + [lc[rc.index(r)] for r in sorted(rc)])
   wgrad = lambda gemm: _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), gemm, _role_key(key, 2),
-                             _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype)
+                             _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype,
+                             saved_lhs=saved_lhs)
   if wgrad_switched is None:
     dw = wgrad(s.recipe.wgrad)
   else:
@@ -207,6 +261,9 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   if switch_wgrad_to is not None and (switch_wgrad_to.is_random
                                       or switch_wgrad_to.needs_layer_key):
     raise ValueError(f"switch_wgrad_to must be a deterministic Gemm, got {switch_wgrad_to!r}")
+  if switch_wgrad_to is not None and recipe.residuals == "quantized":
+    raise ValueError(f"recipe {recipe.name!r} saves quantized residuals (the Wgrad lhs in "
+                     "its FP4 form); switch_wgrad_to needs residuals='original'")
   if recipe.is_plain:
     return _plain
 

@@ -346,11 +346,13 @@ def _nvfp4_scaled(xb, amax, finite, g, peak):
   return s, xb / jnp.where(d == 0, jnp.inf, d)
 
 
-def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
+def quantize(x, spec: QuantSpec, axis: int = -1, key=None, values_dtype=None) -> QArray:
   """Quantizes x (any float dtype) along `axis` (ignored for per-tensor FP8).
 
   key: PRNG key for random roundings (the same key gives the same bits);
-  ignored for nearest.
+  ignored for nearest. values_dtype: dtype of QArray.values (default
+  spec.element_dtype); float32 holds the same element values and skips the
+  float4 conversion, which XLA:CPU runs slowly.
   """
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
@@ -360,7 +362,7 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None) -> QArray:
   q, _, stored, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   if n is not None:
     q = _from_blocks(q, axis, n)
-  return QArray(q.astype(spec.element_dtype), stored, g, spec,
+  return QArray(q.astype(values_dtype or spec.element_dtype), stored, g, spec,
                 axis if spec.block is not None else 0)
 
 

@@ -256,6 +256,18 @@ def apply_rope(x_BxLxHxD, positions_L, inv_freq_K):
   return out.astype(x_BxLxHxD.dtype)
 
 
+def recomputed(fn):
+  """fn under jax.checkpoint saving only its inputs: the backward recomputes its
+  intermediates (the same operations, so the same bits) instead of keeping them.
+
+  Used for SwiGLU's silu(gate) * up and the causal softmax, whose
+  intermediates would otherwise be saved. (Not for RMSNorm: recomputed there,
+  XLA:CPU fuses the backward differently and the gradients change in the last
+  bits; tests/test_model.py checks that the gradients keep their bits.)
+  """
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
 class RMSNorm(nn.Module):
   """x / rms(x) * scale, in float32; returns `dtype`."""
   eps: float
@@ -340,14 +352,25 @@ def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
   # Batch dims (B, K); contract D.  -> [B, K, L, G, S]
   s_BxKxLxGxS = qk_dot(q_BxLxKxGxD, k_BxSxKxD, (((4,), (3,)), ((0, 2), (0, 2))),
                        preferred_element_type=jnp.float32)
-  s_BxKxLxGxS = s_BxKxLxGxS.astype(jnp.float32) / math.sqrt(d)
-  causal_LxS = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-  s_BxKxLxGxS = jnp.where(causal_LxS[:, None, :], s_BxKxLxGxS, -jnp.inf)
-  p_BxKxLxGxS = jax.nn.softmax(s_BxKxLxGxS, axis=-1).astype(q_BxLxHxD.dtype)
+  p_BxKxLxGxS = recomputed(functools.partial(_causal_softmax, head_dim=d,
+                                             dtype=q_BxLxHxD.dtype))(s_BxKxLxGxS)
   # Batch dims (B, K); contract S.  -> [B, K, L, G, D]
   y_BxKxLxGxD = pv_dot(p_BxKxLxGxS, v_BxSxKxD, (((4,), (1,)), ((0, 1), (0, 2))))
   y_BxKxLxGxD = y_BxKxLxGxD.astype(q_BxLxHxD.dtype)
   return y_BxKxLxGxD.transpose(0, 2, 1, 3, 4).reshape(b, length, h, d)
+
+
+def _causal_softmax(s_BxKxLxGxS, head_dim, dtype):
+  """softmax(s / sqrt(head_dim) + causal mask) over the keys, in float32; returns `dtype`."""
+  length = s_BxKxLxGxS.shape[2]
+  s_BxKxLxGxS = s_BxKxLxGxS.astype(jnp.float32) / math.sqrt(head_dim)
+  causal_LxS = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
+  s_BxKxLxGxS = jnp.where(causal_LxS[:, None, :], s_BxKxLxGxS, -jnp.inf)
+  return jax.nn.softmax(s_BxKxLxGxS, axis=-1).astype(dtype)
+
+
+def _swiglu(gate_BxLxF, up_BxLxF):
+  return nn.silu(gate_BxLxF) * up_BxLxF
 
 
 class Mlp(nn.Module):
@@ -363,7 +386,7 @@ class Mlp(nn.Module):
     dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
     gate_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "gate")(x_BxLxD)
     up_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "up")(x_BxLxD)
-    h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
+    h_BxLxF = recomputed(_swiglu)(gate_BxLxF, up_BxLxF)
     h_BxLxF = _constrain(h_BxLxF, "activation_mlp")
     return _dense(cfg.dim, -1, ("mlp", "embed"), dot_cls, dtype, "down")(h_BxLxF)
 

@@ -26,6 +26,17 @@ mxfp4-lh16, mxfp4-fh16) use AMD's `even` rule with round-to-nearest-even on
 every MX operand, as the MXFP4 kernel of AMD's ROCm TransformerEngine
 (`cast_transpose_mxfp4`) that arXiv 2605.09825 ran; `mxfp4-floor` and
 `mxfp4-dh16-floor` are their twins under the OCP MX v1.0 `floor` rule.
+
+Residuals (`Recipe.residuals`, `--config.quant.residuals`): "original" saves
+the two operands of every dot_general for the backward, which re-quantizes
+them; "quantized" saves instead the Wgrad lhs (the activations X) already
+rotated and quantized along the token axis, packed (fp4jax.residuals), and
+the rhs (the weight, resident anyway) as given. Gradients are bitwise those of
+"original": Dgrad needs no X, and Wgrad's X is exactly what re-quantizing
+would give, stochastic rounding and random signs included (the same key in
+the forward and the backward). It needs a quantized Wgrad lhs in 1D blocks
+(or per-tensor FP8), and an Fprop lhs without QuEST's trust mask (whose
+backward needs the original X).
 """
 
 import dataclasses
@@ -41,6 +52,7 @@ ROLES = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 BACKENDS = backends.NAMES + ("auto",)
+RESIDUALS = ("original", "quantized")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +117,7 @@ class Recipe:
   GEMM of a role that quantizes or rotates; plain roles run lax.dot_general
   unchanged. backend: "xla" (jnp path), "pallas" (fp4jax.kernels), "native"
   (block-scaled GEMMs, jax >= 0.11) or "auto" (fp4jax.backends.resolve).
+  residuals: "original" or "quantized" (module docstring).
   """
 
   name: str
@@ -113,13 +126,32 @@ class Recipe:
   wgrad: Gemm = Gemm()
   compute_dtype: str = "bfloat16"
   backend: str = "xla"
+  residuals: str = "original"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
       raise ValueError(f"compute_dtype {self.compute_dtype!r} not in {COMPUTE_DTYPES}")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend {self.backend!r} not in {BACKENDS}")
+    if self.residuals not in RESIDUALS:
+      raise ValueError(f"residuals {self.residuals!r} not in {RESIDUALS}")
+    if self.residuals == "quantized":
+      self._check_quantized_residuals()
     backends.check_jax(self.backend)
+
+  def _check_quantized_residuals(self):
+    """ValueError when residuals="quantized" cannot give the default's gradients."""
+    why = None
+    if self.wgrad.lhs is None:
+      why = "leaves wgrad.lhs unquantized; give wgrad.lhs a format"
+    elif self.wgrad.lhs.block_2d:
+      why = "quantizes wgrad.lhs in 2D tiles (saved residuals take 1D blocks)"
+    elif self.fprop.lhs is not None and self.fprop.lhs.has_trust_mask:
+      why = "masks fprop.lhs's gradient with QuEST's trust mask, which needs the original X"
+    if why is not None:
+      raise ValueError(f"residuals='quantized' needs a quantized Wgrad lhs the backward can "
+                       f"take as saved, but recipe {self.name!r} {why}; or use "
+                       "residuals='original'")
 
   @property
   def is_random(self) -> bool:
@@ -143,6 +175,7 @@ class Recipe:
     cfg.name = self.name
     cfg.compute_dtype = self.compute_dtype
     cfg.backend = self.backend
+    cfg.residuals = self.residuals
     for role in ROLES:
       gemm = getattr(self, role)
       for op in OPERANDS:
@@ -255,8 +288,8 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
   rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
-  backend and scale_mode (the rule of every MX operand without its own
-  scale_mode).
+  backend, residuals and scale_mode (the rule of every MX operand without its
+  own scale_mode).
   """
   def operand():
     return ml_collections.ConfigDict(dict(
@@ -273,7 +306,8 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   return ml_collections.ConfigDict(dict(
       name=name, compute_dtype=config_dict.placeholder(str),
-      backend=config_dict.placeholder(str), scale_mode=config_dict.placeholder(str),
+      backend=config_dict.placeholder(str), residuals=config_dict.placeholder(str),
+      scale_mode=config_dict.placeholder(str),
       fprop=gemm(), dgrad=gemm(), wgrad=gemm()))
 
 
@@ -331,7 +365,8 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
           for op in OPERANDS),
         _override_hadamard(gemm.hadamard, cfg[role].hadamard))
   out = Recipe(base.name, **roles, **_given(
-      dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend)))
+      dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend,
+           residuals=cfg.get("residuals"))))
   if scale_mode is not None and not _mx_specs(out):
     raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
                      f"recipe {cfg.name!r} has none")

@@ -207,6 +207,7 @@ def test_trainer_switches_logs_and_resumes_bitwise(tmp_path):
     ("to", "fp4", r"adaptive_wgrad.to must be one of fp8, bf16, got 'fp4'"),
     ("quant.name", "bf16", r"recipe 'bf16' does not quantize Wgrad"),
     ("model.scan_layers", True, r"adaptive_wgrad needs model.scan_layers=False"),
+    ("quant.residuals", "quantized", r"adaptive_wgrad needs quant.residuals='original'"),
 ])
 def test_bad_values_are_config_errors(tmp_path, key, value, match):
   cfg = _config()

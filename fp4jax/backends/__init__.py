@@ -10,6 +10,10 @@ fp4jax.dot calls, per quantized GEMM, one backend module through three functions
       +-1 `signs` or None) and quantized with `spec` (a QuantSpec, or None: not
       quantized) along `axis`, the GEMM's flattened contraction axis. The
       operand's type is the backend's own; only its `matmul` reads it.
+  from_qarray(q, dtype, compute_dtype) -> operand
+      the operand `quantize` returns, from q = formats.quantize of the same
+      rotated input (dtype: that input's dtype) along `axis`: how a saved,
+      already quantized operand (fp4jax.residuals) reaches the GEMM.
   matmul(a, b, dims, precision, out_sharding) -> float32 array
       lax.dot_general(a, b, dims) of two operands of this backend (dims a
       dot_general's dimension numbers, each operand contracting its `axis`),

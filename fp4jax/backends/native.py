@@ -32,6 +32,7 @@ Where it runs: `jax.nn.scaled_matmul` lowers
 (what backend "auto" asks before it picks this backend).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -81,6 +82,14 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
   del compute_dtype  # the block-scaled GEMM reads the elements as they are
   x = xla.pad_axis(xla.rotate(x, rotation, signs, axis), axis, spec.block)
   return formats.quantize(x, spec, axis, key)
+
+
+def from_qarray(q, dtype, compute_dtype):
+  """See fp4jax.backends; q with its values in the element dtype, zero-padded
+  along q.axis to a multiple of the block as `quantize` pads them."""
+  del dtype, compute_dtype
+  values = xla.pad_axis(q.values.astype(q.spec.element_dtype), q.axis, q.spec.block)
+  return dataclasses.replace(q, values=values)
 
 
 def matmul(a, b, dims, precision, out_sharding):

@@ -8,7 +8,7 @@ GEMM are the xla backend's.
 """
 
 from fp4jax.backends import xla
-from fp4jax.backends.xla import matmul, unsupported  # pylint: disable=unused-import
+from fp4jax.backends.xla import from_qarray, matmul, unsupported  # pylint: disable=unused-import
 
 
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):

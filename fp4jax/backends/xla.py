@@ -11,6 +11,7 @@ block scales) and bf16 would round them: they stay float32, and a GEMM with
 such an operand computes in float32.
 """
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -64,6 +65,14 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
     return Operand(formats.fake_quantize(x, spec, axis, key).astype(jnp.float32), None)
   values, factor = formats.fake_quantize_unscaled(x, spec, axis, key)
   return Operand(values.astype(compute_dtype), factor)
+
+
+def from_qarray(q, dtype, compute_dtype):
+  """See fp4jax.backends; returns the Operand `quantize` gives, bit for bit."""
+  if q.spec.family == "fp8":
+    return Operand(q.dequantize(dtype).astype(jnp.float32), None)
+  values = dataclasses.replace(q, global_scale=None).dequantize(jnp.float32)
+  return Operand(values.astype(compute_dtype), q.global_scale)
 
 
 def matmul(a, b, dims, precision, out_sharding):

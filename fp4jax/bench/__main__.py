@@ -6,8 +6,8 @@
 import importlib
 import sys
 
-BENCHMARKS = ("dot_general", "kernels", "crosscheck", "train_speed", "gpu_check",
-              "gpu_summary")
+BENCHMARKS = ("dot_general", "kernels", "memory", "train_step", "crosscheck", "train_speed",
+              "gpu_check", "gpu_summary")
 _USAGE = f"usage: python -m fp4jax.bench {{{','.join(BENCHMARKS)}}} [flags]"
 
 
