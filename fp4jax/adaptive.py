@@ -63,11 +63,12 @@ def adaptive_config() -> ml_collections.ConfigDict:
       enabled=False, threshold=DEFAULT_THRESHOLD, window=3, every=50, to="fp8"))
 
 
-def check(cfg, model_cfg, first_recipe, all_recipes=()):
+def check(cfg, model_cfg, segment_recipes):
   """ValueError (one line, naming the key) on a bad config.adaptive_wgrad value.
 
-  The values are checked even when disabled; the model and recipes (the
-  first, and all of a quant_schedule) only when enabled.
+  segment_recipes: the recipe from step 0, then those of config.quant_schedule.
+  The values are checked even when disabled; the model and recipes only when
+  enabled.
   """
   where = "config.adaptive_wgrad"  # (the ConfigDict enforces each key's type)
   if not cfg.threshold > 0:
@@ -83,10 +84,11 @@ def check(cfg, model_cfg, first_recipe, all_recipes=()):
   if model_cfg.scan_layers:
     raise ValueError(f"{where} needs model.scan_layers=False (the switch and its monitor "
                      "address each block by its module path)")
-  if first_recipe.wgrad.is_plain:
-    raise ValueError(f"{where}: recipe {first_recipe.name!r} does not quantize Wgrad; "
+  first = segment_recipes[0]
+  if first.wgrad.is_plain:
+    raise ValueError(f"{where}: recipe {first.name!r} does not quantize Wgrad; "
                      "there is nothing to switch")
-  for recipe in (first_recipe, *all_recipes):
+  for recipe in segment_recipes:
     if recipe.residuals == "quantized":
       raise ValueError(f"{where} needs quant.residuals='original': recipe {recipe.name!r} "
                        "saves X only in its FP4 Wgrad form, and a switched Wgrad needs X")
