@@ -310,7 +310,6 @@ def test_single_process_needs_no_coordinator():
 # Small runs of the real trainer (tests/sharded_runs.py): 4 steps of a
 # one-layer tiny Llama, 8 x 32 tokens a step, on the first devices of 8.
 
-RECIPES = ("bf16", "mxfp4-dh16")
 MESHES = ((8, 1, 1), (1, 4, 2), (2, 2, 2))
 # Relative tolerances vs one device. Sharding only changes the order of
 # float32 reductions, so on the same parameters (step 1, or the first step
@@ -364,8 +363,11 @@ def _assert_close(got, ref, step, rtol, keys=("loss", "grad_norm")):
                                err_msg=f"{key} at step {step}")
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
-@pytest.mark.parametrize("recipe", RECIPES)
+# bf16 on the data-parallel mesh only: the model and tensor-parallel meshes
+# shard the same arrays for both recipes (suite time).
+@pytest.mark.parametrize("recipe,mesh", [("bf16", MESHES[0])] + [
+    ("mxfp4-dh16", m) for m in MESHES], ids=lambda v: "x".join(map(str, v))
+                         if isinstance(v, tuple) else v)
 def test_sharded_training_matches_one_device(recipe, mesh):
   _, ref, ref_layout = sharded_runs.reference(recipe, (1, 1, 1))
   _, got, layout = sharded_runs.reference(recipe, mesh)
