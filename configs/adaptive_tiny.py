@@ -15,7 +15,10 @@ windows every 50 steps); Fprop and Dgrad are mxfp4-sr in every arm, Wgrad:
              default sqrt(3): this short run never gets near sqrt(3).
 """
 
-from fp4jax import trainer
+import os
+
+from fp4jax.bench.train_speed import load_config
+from fp4jax.experiments import ablation
 
 ARMS = ("fp4", "fp8", "schedule", "adaptive")
 
@@ -30,20 +33,9 @@ FP8_WGRAD = {"lhs": _fp8_operand("fp8_e4m3"), "rhs": _fp8_operand("fp8_e5m2")}
 def get_config(arm="adaptive"):
   if arm not in ARMS:
     raise ValueError(f"configs/adaptive_tiny.py: arm {arm!r} is not one of {', '.join(ARMS)}")
-  config = trainer.base_config()
-  config.model = trainer.model_template("tiny")
-  config.dtype = "bfloat16"
-  config.steps = 300
-  config.batch_size = 16
-  config.seq_len = 64
-  config.lr = 3e-3
-  config.warmup_steps = 30
-  config.eval_every = 50
-  config.eval_batches = 16
-  config.eval_batch_size = 32
-  config.checkpoint_every = 300
-  config.log_every = 50
-  config.quant.name = "mxfp4-sr"
+  config = ablation.run_config(
+      load_config(os.path.join(os.path.dirname(__file__), "ablation_tiny.py")),
+      "mxfp4-sr", seed=0)
   if arm == "fp8":
     for operand, fields in FP8_WGRAD.items():
       config.quant.wgrad[operand].update(fields)
