@@ -28,6 +28,16 @@ def _write_txt(directory, n):
   return texts
 
 
+def _corpus(directory, kind, n):
+  """n documents 'doc-007 ...' as .txt files ("txt") or one .jsonl file ("jsonl");
+  returns (their texts, the data.path that reads them)."""
+  if kind == "txt":
+    return _write_txt(directory, n), str(directory / "*.txt")
+  texts = [f"doc-{i:03d} " + "z" * (2 * i) for i in range(n)]
+  _write_jsonl(directory / "all.jsonl", texts)
+  return texts, str(directory / "all.jsonl")
+
+
 def _write_jsonl(path, texts, key="text"):
   opener = gzip.open if str(path).endswith(".gz") else open
   with opener(path, "wt", encoding="utf-8") as f:
@@ -118,13 +128,7 @@ def test_stdlib_split_is_disjoint_by_file():
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_train_and_validation_are_disjoint(tmp_path, kind):
-  if kind == "txt":
-    texts = _write_txt(tmp_path, 40)
-    path = str(tmp_path / "*.txt")
-  else:
-    texts = [f"doc-{i:03d} " + "z" * i for i in range(40)]
-    _write_jsonl(tmp_path / "all.jsonl", texts)
-    path = str(tmp_path / "all.jsonl")
+  texts, path = _corpus(tmp_path, kind, 40)
   cfg = _cfg(source="files", path=path, val_fraction=0.3)
   train = data.train_iterator(cfg, TOK, seq_len=31, global_batch=2, seed=0)
   train_ids = _doc_ids([next(train) for _ in range(80)])
@@ -228,13 +232,7 @@ def test_tfds_source_without_tfds_says_how_to_install(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_validation_windows_are_spread_through_the_held_out_stream(tmp_path, kind):
-  if kind == "txt":
-    texts = _write_txt(tmp_path, 9)
-    pattern = str(tmp_path / "*.txt")
-  else:
-    texts = [f"doc {i} " + "ab" * i for i in range(9)]
-    _write_jsonl(tmp_path / "v.jsonl", texts)
-    pattern = str(tmp_path / "v.jsonl")
+  texts, pattern = _corpus(tmp_path, kind, 9)
   stream = []
   for text in texts:  # read once, in order: no wrap-around to the first document
     stream += [BOS] + list(TOK.encode(text)) + [EOS]
