@@ -44,12 +44,6 @@ class Saved:
   length: int
   dtype: jnp.dtype
 
-  @property
-  def nbytes(self) -> int:
-    """Bytes stored."""
-    arrays = [a for a in (self.values, self.scales, self.global_scale) if a is not None]
-    return sum(a.size * jnp.dtype(a.dtype).itemsize for a in arrays)
-
 
 def _is_fp4(spec) -> bool:
   return spec.element_dtype == jnp.float4_e2m1fn

@@ -284,6 +284,29 @@ def test_a_failed_restore_stops_its_other_reads():
   assert stopped(fine()) == 7
 
 
+def test_a_failed_restore_leaves_its_loop_open_for_late_callbacks():
+  """A read already inside tensorstore's threads cannot be cancelled; when it
+  ends after the failed restore, its callback reaches the restore's loop,
+  which must still be open (orbax alone has closed it: RuntimeError)."""
+  def failed_restore_loop(run_sync):
+    loops = []
+
+    async def restore():
+      loops.append(asyncio.get_running_loop())
+      raise OSError("unreadable chunk")
+
+    with pytest.raises(OSError, match="unreadable chunk"):
+      run_sync(restore())
+    return loops[0]
+
+  with pytest.raises(RuntimeError, match="Event loop is closed"):
+    failed_restore_loop(asyncio_utils.run_sync).call_soon_threadsafe(lambda: None)
+  with checkpointing._failed_reads_stopped():
+    loop = failed_restore_loop(asyncio_utils.run_sync)
+  loop.call_soon_threadsafe(lambda: None)  # queued, never run: no error
+  assert not loop.is_closed()
+
+
 def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(
     bf16_run, tmp_path):
   workdir = str(tmp_path)
