@@ -258,12 +258,14 @@ def apply_rope(x_BxLxHxD, positions_L, inv_freq_K):
 
 def recomputed(fn):
   """fn under jax.checkpoint saving only its inputs: the backward recomputes its
-  intermediates (the same operations, so the same bits) instead of keeping them.
+  intermediates (the same operations) instead of keeping them.
 
   Used for SwiGLU's silu(gate) * up and the causal softmax, whose
-  intermediates would otherwise be saved. (Not for RMSNorm: recomputed there,
-  XLA:CPU fuses the backward differently and the gradients change in the last
-  bits; tests/test_model.py checks that the gradients keep their bits.)
+  intermediates would otherwise be saved. The gradients keep their bits on a
+  single model call (tests/test_model.py), but inside the whole jitted train
+  step XLA:CPU may fuse differently: the default run's losses moved in the
+  last bits (docs/performance.md). Not used for RMSNorm, whose gradients
+  change in the last bits even on a single call.
   """
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
