@@ -5,11 +5,11 @@
       --config.quant=bf16 --config.steps=300
 
 Every config field can be overridden with --config.FIELD=VALUE (see
-fp4jax.trainer.base_config). `--config.quant=NAME` is shorthand for
+fp4jax.train.trainer.base_config). `--config.quant=NAME` is shorthand for
 `--config.quant.name=NAME` (a preset of fp4jax.recipe_names()); per-role
 overrides stay available, e.g. --config.quant.wgrad.hadamard.block=32.
 
-Rerunning a workdir resumes it; only the keys in fp4jax.workdir.RESUMABLE_KEYS
+Rerunning a workdir resumes it; only the keys in fp4jax.train.workdir.RESUMABLE_KEYS
 (steps, eval/log/checkpoint cadence, target_eval_loss, max_bad_steps, mesh,
 ...) may differ from its config.json, unless --override_resume is given.
 
@@ -31,8 +31,9 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from fp4jax import cli  # pylint: disable=g-import-not-at-top
-from fp4jax import trainer  # pylint: disable=g-import-not-at-top
+from fp4jax.train import cli  # pylint: disable=g-import-not-at-top
+from fp4jax.train import config as train_config  # pylint: disable=g-import-not-at-top
+from fp4jax.train import trainer  # pylint: disable=g-import-not-at-top
 
 _DEFAULT_CONFIG = "configs/default.py"
 _WORKDIR = flags.DEFINE_string(
@@ -40,7 +41,7 @@ _WORKDIR = flags.DEFINE_string(
     required=True)
 _OVERRIDE_RESUME = flags.DEFINE_bool(
     "override_resume", False,
-    "Resume a workdir even though keys other than fp4jax.workdir."
+    "Resume a workdir even though keys other than fp4jax.train.workdir."
     "RESUMABLE_KEYS differ from its config.json (its checkpoints must still "
     "fit the model); the previous config.json is kept under history/.")
 
@@ -60,7 +61,7 @@ def main(argv):
 
 if __name__ == "__main__":
   # config_flags reads sys.argv itself to find overrides, so rewrite it first.
-  sys.argv = trainer.expand_quant_flag(sys.argv)
+  sys.argv = train_config.expand_quant_flag(sys.argv)
   try:
     cli.check_config_overrides(sys.argv, default=_DEFAULT_CONFIG)
   except errors.UserError as e:

@@ -15,13 +15,13 @@ benchmarks/gpu_check.sh measure this config's tokens/s, peak memory and the
 time of its 1,500 steps (docs/performance.md); adjust steps from those.
 """
 
-from fp4jax import trainer
+from fp4jax.train import config as train_config
 from fp4jax.experiments import ablation
 
 
 def get_config():
-  config = trainer.base_config()
-  config.model = trainer.model_template("llama-125m")
+  config = train_config.base_config()
+  config.model = train_config.model_template("llama-125m")
   config.dtype = "bfloat16"
   config.steps = 1500
   config.batch_size = 32

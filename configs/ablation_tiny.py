@@ -38,13 +38,13 @@ against 0.065 s on a quiet machine; scaled by that ratio: ~150 s, ~56 s and
 with a 1.3x margin; expect up to ~1.5x more at a load average of 2-5.
 """
 
-from fp4jax import trainer
+from fp4jax.train import config as train_config
 from fp4jax.experiments import ablation
 
 
 def get_config():
-  config = trainer.base_config()
-  config.model = trainer.model_template("tiny")
+  config = train_config.base_config()
+  config.model = train_config.model_template("tiny")
   config.dtype = "bfloat16"
   config.steps = 300
   config.batch_size = 16

@@ -8,13 +8,13 @@ wherever Python is), recipe mxfp4-dh16 (all three GEMMs in MXFP4, each
 operand rotated by a deterministic 16-point Hadamard).
 """
 
-from fp4jax import trainer
+from fp4jax.train import config as train_config
 
 
 def get_config():
-  config = trainer.base_config()
+  config = train_config.base_config()
   config.quant.name = "mxfp4-dh16"
-  config.model = trainer.model_template("tiny")
+  config.model = train_config.model_template("tiny")
   # Measured on the 2-core CPU (CPU seconds per step, same run): bfloat16
   # compute is 5-15% cheaper than float32 for this model, so it is used here.
   config.dtype = "bfloat16"

@@ -30,13 +30,13 @@ Not given by research.md and chosen here: steps (the cosine horizon),
 eval_every, the validation size (eval_batches x eval_batch_size sequences).
 """
 
-from fp4jax import trainer
+from fp4jax.train import config as train_config
 
 
 def get_config():
-  config = trainer.base_config()
+  config = train_config.base_config()
   config.quant.name = "mxfp4-dh16"
-  config.model = trainer.model_template(
+  config.model = train_config.model_template(
       "llama3.1-8b", scan_layers=True, remat="full")
   config.dtype = "bfloat16"
   config.data.source = "files"

@@ -1,8 +1,8 @@
 """fp4jax: MXFP4 (and NVFP4, MXFP6/8, FP8) training for JAX/Flax.
 
 Public names (see README.md):
-    QuantSpec, QArray, quantize, fake_quantize, pack_fp4, unpack_fp4  (formats)
-    rotate, hadamard_matrix                                           (hadamard)
+    QuantSpec, QArray, quantize, fake_quantize, pack_fp4, unpack_fp4  (numerics.formats)
+    rotate, hadamard_matrix                                           (numerics.hadamard)
     Recipe, recipe, recipe_names                                      (recipes)
     dot_general                                                       (dot)
     flax.DotGeneral                                                   (flax adapters)
@@ -16,14 +16,14 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "QuantSpec": "formats",
-    "QArray": "formats",
-    "quantize": "formats",
-    "fake_quantize": "formats",
-    "pack_fp4": "formats",
-    "unpack_fp4": "formats",
-    "rotate": "hadamard",
-    "hadamard_matrix": "hadamard",
+    "QuantSpec": "numerics.formats",
+    "QArray": "numerics.formats",
+    "quantize": "numerics.formats",
+    "fake_quantize": "numerics.formats",
+    "pack_fp4": "numerics.formats",
+    "unpack_fp4": "numerics.formats",
+    "rotate": "numerics.hadamard",
+    "hadamard_matrix": "numerics.hadamard",
     "Recipe": "recipes",
     "recipe": "recipes",
     "recipe_names": "recipes",

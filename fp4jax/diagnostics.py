@@ -44,7 +44,7 @@ import optax
 from flax import traverse_util
 
 from fp4jax import dot as fp4dot
-from fp4jax.backends import xla as xla_backend
+from fp4jax.numerics import operand
 from fp4jax.recipes import ROLES
 
 SOURCES = ("train", "ref")
@@ -147,7 +147,7 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   """Both operands of one role as its GEMM consumes them, and their references.
 
   Returns ((a_q, a_ref), (b_q, b_ref)): q = rotated, quantized and cast to the
-  compute dtype by `fp4jax.backends.xla.fake_quantize_operand` with the keys and signs
+  compute dtype by `fp4jax.numerics.operand.fake_quantize_operand` with the keys and signs
   dot.py derives from the role key `key` (and the role's layer key
   `layer_key`, for per-layer signs); ref = rotated only (float32), so
   the relative error is the quantization error in the rotated basis (an
@@ -161,8 +161,8 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   signs = fp4dot.rotation_signs(gemm.hadamard, keys[2], layer_key)
   out = []
   for x, spec, axis, k in ((a, gemm.lhs, a_axis, keys[0]), (b, gemm.rhs, b_axis, keys[1])):
-    ref = xla_backend.fake_quantize_operand(x, None, gemm.hadamard, signs, axis, None)
-    q = xla_backend.fake_quantize_operand(x, spec, gemm.hadamard, signs, axis, k)
+    ref = operand.fake_quantize_operand(x, None, gemm.hadamard, signs, axis, None)
+    q = operand.fake_quantize_operand(x, spec, gemm.hadamard, signs, axis, k)
     out.append((q.astype(recipe.compute_dtype), ref))
   return tuple(out)
 
@@ -293,16 +293,16 @@ class _Callback:
 
 def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, seed=0,
                   layer_key=None):
-  """A trainer callback `cb(step, state, batch) -> dict | None` for fp4jax.trainer.
+  """A trainer callback `cb(step, state, batch) -> dict | None` for fp4jax.train.trainer.
 
-  model: the fp4jax.model.Llama being trained (rebuilt here with
+  model: the fp4jax.llama.model.Llama being trained (rebuilt here with
     capture_dots=True); its recipe is the one measured.
   ref_batch: int32 [B, L + 1] fixed reference tokens (None: training batch only).
   layers: module paths (default: `default_layers`). Measures the steps with
     step % every < window, so each window holds `window` consecutive steps;
     bias is reported on its last step, step_cos on all but its first.
   seed: keys for random recipes (fold_in(seed, step)).
-  layer_key: the run's "hadamard" key (fp4jax.train_step.layer_key), needed
+  layer_key: the run's "hadamard" key (fp4jax.train.step.layer_key), needed
     by recipes with per-layer signs: the diagnostics then see the signs that
     training uses.
   The per-(source, layer, role) error windows are Python state of the callback.
@@ -323,5 +323,5 @@ def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, see
   stats_fn = jax.jit(functools.partial(gemm_stats, recipe))
   if recipe.needs_layer_key and layer_key is None:
     raise ValueError(f"recipe {recipe.name!r} uses per-layer Hadamard signs: diagnostics "
-                     "need the run's layer_key (fp4jax.train_step.layer_key)")
+                     "need the run's layer_key (fp4jax.train.step.layer_key)")
   return _Callback(capture_fn, stats_fn, ref_batch, every, window, seed, layer_key)

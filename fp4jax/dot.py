@@ -36,7 +36,7 @@ Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
 layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
 the "hadamard" rng stream).
 
-Adaptive Wgrad (fp4jax.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
+Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
 takes a runtime boolean `wgrad_switched`; where it is true the backward
 computes Wgrad with `gemm` (FP8 or unquantized) instead of the recipe's, one
 lax.cond that runs only the chosen GEMM (both are compiled). Without the flag
@@ -52,8 +52,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import backends, formats, hadamard, residuals
-from fp4jax.backends import xla as xla_backend
+from fp4jax import backends, residuals
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
+from fp4jax.numerics import operand
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 
@@ -169,7 +171,7 @@ def _save_lhs(s, lhs, key, layer_key):
   (lc, _), (lb, _) = s.dims
   free = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
   a, ia, _ = _flatten(lhs, free, last=True)
-  a = xla_backend.rotate(a, gemm.hadamard, signs, ia)
+  a = operand.rotate_padded(a, gemm.hadamard, signs, ia)
   return _SavedLhs(residuals.save(a, gemm.lhs, ia, keys[0]), lhs.shape, jnp.dtype(lhs.dtype))
 
 
@@ -218,7 +220,7 @@ def _bwd(s, res, dy):
 
 
 def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
-  """QuEST's trust estimator (fp4jax.quest): grad (x's layout) with the
+  """QuEST's trust estimator (fp4jax.numerics.quest): grad (x's layout) with the
   gradient of every element that Fprop's quantization of x clipped zeroed, in
   the layout and rotation in which Fprop quantized x, i.e.
   P^T(clip_mask(P x) * P grad) with P = flatten `axes` (`last` as in _gemm),
@@ -229,7 +231,7 @@ def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
   axis = _flatten(x, axes, last)[1]
 
   def to_quantized_layout(t):
-    return xla_backend.rotate(_flatten(t, axes, last)[0], gemm.hadamard, signs, axis)
+    return operand.rotate_padded(_flatten(t, axes, last)[0], gemm.hadamard, signs, axis)
 
   xr, pull = jax.vjp(to_quantized_layout, x)
   mask = formats.clip_mask(xr, spec, axis)

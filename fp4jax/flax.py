@@ -9,7 +9,7 @@ make_rng folds in the module's path, so each layer gets its own signs, fixed
 for the run (under nn.scan, add "hadamard" to split_rngs). For deterministic
 recipes `nn.Dense(..., dot_general=fp4jax.dot_general(r))` works as well.
 `switch_wgrad_to` and `wgrad_switched` (a boolean scalar, may be traced) are
-passed to dot_general (fp4jax.adaptive: a layer's Wgrad switched at run time).
+passed to dot_general (fp4jax.train.adaptive: a layer's Wgrad switched at run time).
 
 NNX: `nnx.Linear(din, dout, dot_general=fp4jax.dot_general(r), rngs=rngs)` for
 deterministic recipes; for random ones pass `NNXDotGeneral(r, rngs)`, which

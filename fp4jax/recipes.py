@@ -45,8 +45,8 @@ import ml_collections
 from ml_collections import config_dict
 
 from fp4jax import backends
-from fp4jax.formats import QuantSpec
-from fp4jax.hadamard import SIGN_POLICIES, check_sign_policy
+from fp4jax.numerics.formats import QuantSpec
+from fp4jax.numerics.hadamard import check_sign_policy
 
 ROLES = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("lhs", "rhs")
@@ -59,7 +59,7 @@ RESIDUALS = ("original", "quantized")
 class Hadamard:
   """Block-diagonal Hadamard rotation of a GEMM's contraction axis.
 
-  signs, one of SIGN_POLICIES: "none" (plain Sylvester, deterministic),
+  signs, one of hadamard.SIGN_POLICIES: "none" (plain Sylvester, deterministic),
   "fixed" (one +-1 vector of length `block` drawn from `seed`, the same on
   every call and layer), "per-layer" (drawn from the dot_general's
   `layer_key`: one per layer, the same every step) or "per-step" (fresh from

@@ -21,7 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp4jax import formats
+from fp4jax.numerics import formats
+from fp4jax.numerics.elements import e2m1_codes, e2m1_values
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -67,7 +68,7 @@ def restore(saved: Saved) -> formats.QArray:
 
 
 # XLA:CPU converts float32 <-> float4_e2m1fn slowly, so FP4 elements travel as
-# their 4-bit codes by bit arithmetic (fp4jax.kernels.quantize.e2m1_codes /
+# their 4-bit codes by bit arithmetic (fp4jax.numerics.elements.e2m1_codes /
 # e2m1_values, equal to those conversions bit for bit).
 
 _HALF = 16  # codes j and j + 16 of every 32 along the axis share a byte
@@ -81,7 +82,6 @@ def _pack_codes(values, axis):
   XLA:CPU packs much faster than alternate elements (formats.pack_fp4), and
   which stay inside a shard whenever MX blocks do (n a multiple of 32 per shard).
   """
-  from fp4jax.kernels.quantize import e2m1_codes  # pylint: disable=g-import-not-at-top
   codes = e2m1_codes(values)
   pad = -codes.shape[axis] % (2 * _HALF)
   if pad:
@@ -94,7 +94,6 @@ def _pack_codes(values, axis):
 
 def _unpack_codes(packed, axis, length):
   """Inverse of _pack_codes: uint8 -> float32 E2M1 values with `length` along the axis."""
-  from fp4jax.kernels.quantize import e2m1_values  # pylint: disable=g-import-not-at-top
   groups = packed.reshape(packed.shape[:axis] + (-1, 1, _HALF) + packed.shape[axis + 1:])
   codes = jnp.concatenate([groups & 0xF, groups >> 4], axis=axis + 1).astype(jnp.int32)
   codes = codes.reshape(packed.shape[:axis] + (-1,) + packed.shape[axis + 1:])

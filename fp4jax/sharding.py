@@ -185,7 +185,7 @@ def _linear_layers(model_cfg):
   """(name, input axis, output axis) of one block's quantized linears.
 
   An axis is a list of (logical name, size), flattened in that order; the
-  names are the kernels' (fp4jax.model documents the layouts), and the
+  names are the kernels' (fp4jax.llama.model documents the layouts), and the
   blocks run along the flattened contraction axes.
   """
   d, f = model_cfg.dim, model_cfg.mlp_dim

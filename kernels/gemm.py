@@ -17,8 +17,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import scales as scales_lib
-from fp4jax.kernels.quantize import e2m1_values, interpret_mode
+from fp4jax.numerics import scales as scales_lib
+from fp4jax.kernels.quantize import interpret_mode
+from fp4jax.numerics.elements import e2m1_values
 
 BLOCK = 32  # MXFP4 elements per E8M0 scale
 TILE = (64, 64, 128)  # [tile_m, tile_n, tile_k]

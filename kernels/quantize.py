@@ -6,9 +6,9 @@ One kernel body, two outputs:
   fake_quantize    x -> dequantized x, same shape and dtype (any MX format)
 
 Each program reads one tile of x, optionally rotates it with the block
-Hadamard of fp4jax.hadamard, takes the block amax, the shared exponent
-(fp4jax.scales.block_exponent, all four scale modes) and rounds with
-fp4jax.formats.round_to_element (nearest, or stochastic from supplied uint32
+Hadamard of fp4jax.numerics.hadamard, takes the block amax, the shared exponent
+(fp4jax.numerics.scales.block_exponent, all four scale modes) and rounds with
+fp4jax.numerics.formats.round_to_element (nearest, or stochastic from supplied uint32
 bits). The results equal the XLA reference bit for bit:
 
   quantize_packed(x, ...) == (pack_fp4(q.values, axis), q.scales)
@@ -35,8 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fp4jax import formats, hadamard
-from fp4jax import scales as scales_lib
+from fp4jax.numerics import elements
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
+from fp4jax.numerics import scales as scales_lib
 
 ROW_TILE = (16, 512)  # [rows, blocked elements] for blocks along the last axis
 COL_TILE = (64, 128)  # [blocked elements, columns] for blocks along a leading axis
@@ -49,36 +51,6 @@ def interpret_mode(interpret):
 
 def _pow2_at_least(n):
   return 1 << max(n - 1, 0).bit_length()
-
-
-def e2m1_codes(q):
-  """4-bit E2M1 codes (uint8) of float32 values on the E2M1 grid.
-
-  Bit arithmetic that Triton can lower; equal to
-  bitcast(q.astype(float4_e2m1fn), uint4) including -0 and NaN (code 8, as
-  XLA's conversion gives).
-  """
-  bits = lax.bitcast_convert_type(q, jnp.int32)
-  sign = (bits >> 28) & 8
-  mag = bits & 0x7FFFFFFF
-  # |q| >= 1: code = 2 * (exponent + 1) + top mantissa bit; 0.5 -> 1; 0 -> 0.
-  code = jnp.where(mag >= 0x3F800000, (mag >> 22) - 252,
-                   (mag >= 0x3F000000).astype(jnp.int32))
-  code = jnp.where(jnp.isnan(q), 8, sign | code)
-  return code.astype(jnp.uint8)
-
-
-def e2m1_values(codes):
-  """Float32 values of 4-bit E2M1 codes (int32 0..15): the inverse of e2m1_codes.
-
-  Bit arithmetic that Triton can lower; equal to
-  bitcast(codes.astype(uint4), float4_e2m1fn).astype(float32).
-  """
-  mag = codes & 7
-  # mag >= 2: 2^(mag // 2 - 1) * (1 + (mag & 1) / 2); 1 -> 0.5; 0 -> 0.
-  bits = jnp.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22),
-                   jnp.where(mag == 1, 0x3F000000, 0))
-  return lax.bitcast_convert_type(bits | ((codes & 8) << 28), jnp.float32)
 
 
 def _rotate_tile(x, m, h, blk_axis):
@@ -129,7 +101,7 @@ def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
     y_ref[...] = (q * scales_lib.exp2(e)).reshape(shape).astype(y_ref.dtype)
     return
   codes_ref, scales_ref = refs
-  codes = e2m1_codes(q).reshape(shape)
+  codes = elements.e2m1_codes(q).reshape(shape)
   # Pairs along the blocked axis: element 2i -> low nibble, 2i + 1 -> high.
   if blk_axis == 1:
     pairs, nibble = codes.reshape(shape[0], shape[1] // 2, 2), (1, 1, 2)
@@ -143,7 +115,7 @@ def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
 def unsupported(spec, hadamard_block=None):
   """Why the kernels cannot quantize with `spec` (and the rotation), or None.
 
-  Callers route such operands to the XLA path (fp4jax.formats).
+  Callers route such operands to the XLA path (fp4jax.numerics.formats).
   """
   if not isinstance(spec, formats.QuantSpec) or spec.family != "mx":
     return f"Pallas kernels take MX QuantSpecs, got {spec!r}"

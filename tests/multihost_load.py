@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from fp4jax import hf_llama
-from fp4jax import model as model_lib
+from fp4jax.llama import hf as hf_llama
+from fp4jax.llama import model as model_lib
 from fp4jax import sharding
 
 

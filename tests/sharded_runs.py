@@ -23,7 +23,8 @@ import tempfile
 import jax
 
 from fp4jax import sharding
-from fp4jax import trainer
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
 
 STEPS = 4
 N_LAYERS = 1
@@ -34,7 +35,7 @@ def small_config(recipe, mesh=(1, 1, 1), steps=STEPS):
 
   Checkpoints at step 3 (and at the end), so a run can be resumed at 3.
   """
-  c = trainer.base_config()
+  c = train_config.base_config()
   c.quant.name = recipe
   c.model.n_layers = N_LAYERS
   c.steps = steps

@@ -14,8 +14,13 @@ import flax.linen as nn
 from flax import traverse_util
 
 import fp4jax
-from fp4jax import adaptive, model as model_lib, recipes, train_step, trainer
-from fp4jax.metrics_log import read_metrics
+from fp4jax import recipes
+from fp4jax.train import adaptive
+from fp4jax.llama import model as model_lib
+from fp4jax.train import step as train_step
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
+from fp4jax.train.metrics_log import read_metrics
 from tests.test_trainer import _final_state, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +221,7 @@ def test_bad_values_are_config_errors(tmp_path, key, value, match):
     cfg[section][field] = value
   else:
     cfg.adaptive_wgrad[key] = value
-  with pytest.raises(trainer.ConfigError, match=match) as error:
+  with pytest.raises(train_config.ConfigError, match=match) as error:
     trainer.train(cfg, str(tmp_path))
   assert "\n" not in str(error.value)
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import backends, dot, formats, recipes
+from fp4jax import backends, dot, recipes
+from fp4jax.numerics import formats
 from fp4jax.backends import native
 from fp4jax.recipes import Gemm, Recipe
 
@@ -219,7 +220,7 @@ def test_native_matches_xla_bitwise_in_other_layouts(layout):
 def test_native_llama_gradients_match_xla_bitwise():
   """Two scanned, rematerialized Llama blocks with bf16 activations and quantized
   attention products (batch dims): loss and every gradient, jitted."""
-  from fp4jax import model  # pylint: disable=g-import-not-at-top
+  from fp4jax.llama import model  # pylint: disable=g-import-not-at-top
   cfg = model.model_config("tiny", vocab_size=64, dim=128, n_layers=2, n_heads=4,
                            n_kv_heads=2, mlp_dim=96, dtype="bfloat16", scan_layers=True,
                            remat="full", quantize_attention=True)

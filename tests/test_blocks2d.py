@@ -6,12 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import blocks2d, dot, formats, hadamard, recipes
+from fp4jax import dot, recipes
+from fp4jax.numerics import blocks2d
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from tests import numpy_reference as ref
 
 F32 = np.float32
 # Eager dispatch of the quantizer's many small ops is slow on CPU: jit them.
-_fq = jax.jit(blocks2d.fake_quantize_2d, static_argnums=(1, 2))
+_fq = jax.jit(formats.fake_quantize, static_argnums=(1, 2))
 _qt = jax.jit(blocks2d.quantize_tiles, static_argnums=(1,))
 _dq = jax.jit(blocks2d.dequantize_tiles)
 

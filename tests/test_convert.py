@@ -24,12 +24,13 @@ import safetensors.numpy
 
 import fp4jax
 from fp4jax import checkpointing
-from fp4jax import convert
-from fp4jax import hf_llama
-from fp4jax import init_from
-from fp4jax import model as model_lib
+from fp4jax.train import export
+from fp4jax.llama import hf as hf_llama
+from fp4jax.train import init_from
+from fp4jax.llama import model as model_lib
 from fp4jax import sharding
-from fp4jax import trainer
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
 from multihost_load import CountingFile
 from tests.test_model import _numpy_llama
 
@@ -38,7 +39,7 @@ STEPS = 2
 
 
 def _config(**overrides):
-  c = trainer.base_config()
+  c = train_config.base_config()
   c.model.n_layers = 2
   c.model.rope_theta = 10000.0
   c.model.rope_original_context = 64  # scaling changes most frequencies
@@ -55,7 +56,7 @@ def run(tmp_path_factory):
   """(run dir, its LlamaConfig, its final params as NumPy, summary)."""
   run_dir = str(tmp_path_factory.mktemp("run"))
   summary = trainer.train(_config(), run_dir)
-  _, cfg = convert.run_config(run_dir)
+  _, cfg = export.run_config(run_dir)
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), STEPS, hf_llama.abstract_params(cfg))
   return run_dir, cfg, jax.tree.map(np.asarray, params), summary
@@ -64,7 +65,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(run, tmp_path_factory):
   out = str(tmp_path_factory.mktemp("hf"))
-  convert.export(run[0], out)
+  export.export(run[0], out)
   return out
 
 
@@ -154,7 +155,7 @@ TEXT = "héllo  wörld\n\tdef f(x):\r\n  return x ~ \U0001f642 \x00\x7f"
 def test_byte_tokenizer_export_gives_the_same_ids(exported):
   pytest.importorskip("tokenizers", reason="tokenizers not installed (pip "
                       "install 'fp4jax[test]')")
-  from fp4jax import tokenizers  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
   byte = tokenizers.ByteTokenizer()
   hf = tokenizers.make_tokenizer(os.path.join(exported, "tokenizer.json"))
   assert (hf.bos_id, hf.eos_id) == (byte.bos_id, byte.eos_id)
@@ -242,7 +243,7 @@ def test_scanned_layers_load_and_write_the_same_tensors(run, exported,
   scanned = dataclasses.replace(cfg, scan_layers=True)
   loaded = hf_llama.HfCheckpoint(exported, scanned).load(
       _mesh_abstract(scanned, data=1, fsdp=8))
-  convert.write_weights(loaded, scanned, str(tmp_path), np.float32, 1e9)
+  export.write_weights(loaded, scanned, str(tmp_path), np.float32, 1e9)
   again = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
   first = safetensors.numpy.load_file(os.path.join(exported,
                                                    "model.safetensors"))
@@ -263,8 +264,8 @@ def test_scanned_layers_load_and_write_the_same_tensors(run, exported,
 def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   run_dir, cfg, params, _ = run
   out = str(tmp_path / "sharded")
-  convert.export(run_dir, out)  # overwritten below, stale files removed
-  lines = convert.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4)
+  export.export(run_dir, out)  # overwritten below, stale files removed
+  lines = export.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4)
   files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}" \
       ".safetensors" and "in %d file(s)" % len(files) in lines[0]
@@ -300,7 +301,7 @@ def test_transformers_loads_the_export_with_the_same_logits(run, exported,
   torch, transformers = _transformers()
   run_dir, cfg, params, _ = run
   sharded = str(tmp_path / "sharded")
-  convert.export(run_dir, sharded, max_shard_gb=5e-4)
+  export.export(run_dir, sharded, max_shard_gb=5e-4)
   assert os.path.exists(os.path.join(sharded, hf_llama.INDEX_FILE))
   tokens = _tokens()
   want = _fp4jax_logits(cfg, params, tokens)
@@ -404,7 +405,7 @@ def test_tied_embeddings_give_the_head(run, exported, tmp_path):
 def test_init_from_refuses_other_sizes_at_start(run, exported, tmp_path):
   config = _config(init_from=exported)
   config.model.mlp_dim = 256
-  with pytest.raises(trainer.ConfigError,
+  with pytest.raises(train_config.ConfigError,
                      match="init_from: .* model.mlp_dim is 256 in this config "
                      "but 384 in the checkpoint"):
     trainer.train(config, str(tmp_path / "w"))
@@ -421,14 +422,14 @@ def test_init_from_names_what_does_not_fit(run, tmp_path):
       (run_dir, dataclasses.replace(cfg, rope_theta=5e5),
        "model.rope_theta is 500000.0 in this config but 10000.0"),
       (os.path.join(run_dir, "checkpoints", "9"), cfg, "is not a directory")):
-    with pytest.raises(trainer.ConfigError,
+    with pytest.raises(train_config.ConfigError,
                        match="bad config: config.init_from: .*" + message):
       init_from.open_source(path, c)
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
   proc = subprocess.run(
-      [sys.executable, "-m", "fp4jax.convert", "export",
+      [sys.executable, "-m", "fp4jax.train.export", "export",
        str(tmp_path / "nothing"), str(tmp_path / "o")],
       capture_output=True, text=True, cwd=ROOT,
       env=dict(os.environ, PYTHONPATH=ROOT), check=False)
@@ -439,7 +440,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):
       (["--step", "7"], f"no checkpoint at step 7: '{run_dir}' has "
        f"checkpoints at steps [{STEPS}]"),
       (["--max_shard_gb", "0"], "--max_shard_gb must be > 0")):
-    assert convert.main(["export", run_dir, str(tmp_path / "o"), *args]) == 2
+    assert export.main(["export", run_dir, str(tmp_path / "o"), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
 

@@ -8,14 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from fp4jax import data
+from fp4jax.data import pipeline
+from fp4jax.data import tokenizers
 
-TOK = data.make_tokenizer("bytes")
+TOK = tokenizers.make_tokenizer("bytes")
 BOS, EOS = TOK.bos_id, TOK.eos_id
 
 
 def _cfg(**overrides):
-  cfg = data.data_config()
+  cfg = pipeline.data_config()
   cfg.update(overrides)
   return cfg
 
@@ -80,7 +81,7 @@ def test_packing_is_exact_concatenation(tmp_path, kind):
     _write_jsonl(tmp_path / f"b.{kind}", texts[4:])
     cfg = _cfg(source="files", path=str(tmp_path / f"*.{kind}"),
                val_path=str(tmp_path / f"*.{kind}"))
-  batches = data.validation_batches(cfg, TOK, seq_len=9, batch_size=2,
+  batches = pipeline.validation_batches(cfg, TOK, seq_len=9, batch_size=2,
                                     num_batches=6)
   assert all(b.shape == (2, 10) and b.dtype == np.int32 for b in batches)
   np.testing.assert_array_equal(np.stack(batches),
@@ -89,7 +90,7 @@ def test_packing_is_exact_concatenation(tmp_path, kind):
 
 def test_train_windows_bos_eos_and_determinism():
   cfg = _cfg()
-  take = lambda seed: [next(it) for it in [data.train_iterator(
+  take = lambda seed: [next(it) for it in [pipeline.train_iterator(
       cfg, TOK, seq_len=255, global_batch=4, seed=seed)] for _ in range(200)]
   first, again, other = take(0), take(0), take(1)
   assert all(b.shape == (4, 256) and b.dtype == np.int32 for b in first)
@@ -108,7 +109,7 @@ def test_train_is_endless_and_reshuffles_each_epoch(tmp_path):
   _write_txt(tmp_path, 8)
   cfg = _cfg(source="files", path=str(tmp_path / "*.txt"),
              val_path=str(tmp_path / "d000.txt"))
-  it = data.train_iterator(cfg, TOK, seq_len=15, global_batch=1, seed=3)
+  it = pipeline.train_iterator(cfg, TOK, seq_len=15, global_batch=1, seed=3)
   row = np.concatenate([next(it)[0] for _ in range(60)])  # ~4 epochs
   starts = np.flatnonzero(row[:-8] == BOS)
   order = [TOK.decode(row[s + 1:s + 8]) for s in starts]
@@ -118,7 +119,7 @@ def test_train_is_endless_and_reshuffles_each_epoch(tmp_path):
 
 
 def test_stdlib_split_is_disjoint_by_file():
-  root, train, val = data.stdlib_files()
+  root, train, val = pipeline.stdlib_files()
   assert os.path.isdir(root) and len(val) > 10 and len(train) > 10 * len(val)
   assert not set(train) & set(val)
   skipped = {"site-packages", "dist-packages", "test", "tests"}
@@ -130,9 +131,9 @@ def test_stdlib_split_is_disjoint_by_file():
 def test_train_and_validation_are_disjoint(tmp_path, kind):
   texts, path = _corpus(tmp_path, kind, 40)
   cfg = _cfg(source="files", path=path, val_fraction=0.3)
-  train = data.train_iterator(cfg, TOK, seq_len=31, global_batch=2, seed=0)
+  train = pipeline.train_iterator(cfg, TOK, seq_len=31, global_batch=2, seed=0)
   train_ids = _doc_ids([next(train) for _ in range(80)])
-  val_ids = _doc_ids(data.validation_batches(
+  val_ids = _doc_ids(pipeline.validation_batches(
       cfg, TOK, seq_len=31, batch_size=2, num_batches=40))
   assert train_ids and val_ids and not train_ids & val_ids
   assert train_ids | val_ids == {t[:7] for t in texts}
@@ -145,7 +146,7 @@ def test_process_shards_stack_to_the_global_batch(tmp_path, source):
     _write_jsonl(tmp_path / "c.jsonl.gz",
                  [f"document {i} " * (i % 7 + 1) for i in range(50)])
     cfg = _cfg(source="files", path=str(tmp_path / "*.jsonl.gz"))
-  make = lambda p, n: data.train_iterator(
+  make = lambda p, n: pipeline.train_iterator(
       cfg, TOK, seq_len=31, global_batch=4, seed=5, process_index=p,
       process_count=n)
   whole, first, second = make(0, 1), make(0, 2), make(1, 2)
@@ -153,7 +154,7 @@ def test_process_shards_stack_to_the_global_batch(tmp_path, source):
     a, b = next(first), next(second)
     assert a.shape == b.shape == (2, 32) and not np.array_equal(a, b)
     np.testing.assert_array_equal(np.concatenate([a, b]), next(whole))
-  v = lambda p, n: data.validation_batches(
+  v = lambda p, n: pipeline.validation_batches(
       cfg, TOK, seq_len=31, batch_size=4, num_batches=3, process_index=p,
       process_count=n)
   np.testing.assert_array_equal(
@@ -170,7 +171,7 @@ def test_resume_from_state_sees_the_same_batches(tmp_path, source):
                    [f"shard {k} doc {i} " * (1 + i % 7)**2 for i in range(20)])
     cfg = _cfg(source="files",
                path=str(tmp_path / "c4-train.*-of-00003.json.gz"))
-  make = lambda: data.train_iterator(cfg, TOK, seq_len=31, global_batch=4,
+  make = lambda: pipeline.train_iterator(cfg, TOK, seq_len=31, global_batch=4,
                                      seed=11, process_index=1,
                                      process_count=2)
   it = make()
@@ -182,51 +183,51 @@ def test_resume_from_state_sees_the_same_batches(tmp_path, source):
   restored.set_state(state)
   np.testing.assert_array_equal(np.stack([next(restored) for _ in range(100)]),
                                 np.stack(expected))
-  other = data.train_iterator(cfg, TOK, seq_len=31, global_batch=4, seed=11)
+  other = pipeline.train_iterator(cfg, TOK, seq_len=31, global_batch=4, seed=11)
   with pytest.raises(ValueError, match="does not fit"):
     other.set_state(state)
 
 
 def test_validation_is_fixed_and_independent_of_train_seed():
   kw = dict(seq_len=31, batch_size=4, num_batches=3)
-  a = data.validation_batches(_cfg(), TOK, **kw)
-  b = data.validation_batches(_cfg(), TOK, **kw)
+  a = pipeline.validation_batches(_cfg(), TOK, **kw)
+  b = pipeline.validation_batches(_cfg(), TOK, **kw)
   np.testing.assert_array_equal(np.stack(a), np.stack(b))
 
 
 def test_bad_configs_fail_at_start(tmp_path):
   kw = dict(seq_len=8, global_batch=2, seed=0)
   with pytest.raises(ValueError, match=r"unknown data.source 'c5'.*stdlib"):
-    data.train_iterator(_cfg(source="c5"), TOK, **kw)
+    pipeline.train_iterator(_cfg(source="c5"), TOK, **kw)
   with pytest.raises(ValueError, match="needs data.path"):
-    data.train_iterator(_cfg(source="files"), TOK, **kw)
+    pipeline.train_iterator(_cfg(source="files"), TOK, **kw)
   with pytest.raises(ValueError, match="'stdlib' takes no data.path"):
-    data.train_iterator(_cfg(path="/data/*.txt"), TOK, **kw)
+    pipeline.train_iterator(_cfg(path="/data/*.txt"), TOK, **kw)
   missing = str(tmp_path / "c4-train.*.json.gz")
   with pytest.raises(FileNotFoundError, match=r"c4-train\.\*\.json\.gz"):
-    data.train_iterator(_cfg(source="files", path=missing), TOK, **kw)
+    pipeline.train_iterator(_cfg(source="files", path=missing), TOK, **kw)
   _write_jsonl(tmp_path / "a.jsonl", ["x"], key="content")
   with pytest.raises(ValueError, match=r"no field 'text'.*'content'"):
-    data.train_iterator(_cfg(source="files", path=str(tmp_path / "a.jsonl")),
+    pipeline.train_iterator(_cfg(source="files", path=str(tmp_path / "a.jsonl")),
                         TOK, **kw)
   _write_jsonl(tmp_path / "one.jsonl", ["only document"])
   with pytest.raises(ValueError, match="no documents in"):
-    data.validation_batches(
+    pipeline.validation_batches(
         _cfg(source="files", path=str(tmp_path / "one.jsonl"),
              val_fraction=1e-9), TOK, seq_len=8, batch_size=2, num_batches=1)
   (tmp_path / "b.txt").write_text("y")
   with pytest.raises(ValueError, match="only .txt files or only JSON"):
-    data.train_iterator(_cfg(source="files", path=str(tmp_path / "*")),
+    pipeline.train_iterator(_cfg(source="files", path=str(tmp_path / "*")),
                         TOK, **kw)
   with pytest.raises(ValueError, match="divide evenly over 3 processes"):
-    data.train_iterator(_cfg(), TOK, seq_len=8, global_batch=4, seed=0,
+    pipeline.train_iterator(_cfg(), TOK, seq_len=8, global_batch=4, seed=0,
                         process_count=3)
 
 
 def test_tfds_source_without_tfds_says_how_to_install(monkeypatch):
   monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # not installed
   with pytest.raises(ImportError, match=r"fp4jax\[tfds\]"):
-    data.train_iterator(_cfg(source="tfds", path="c4/en:3.0.1"), TOK,
+    pipeline.train_iterator(_cfg(source="tfds", path="c4/en:3.0.1"), TOK,
                         seq_len=8, global_batch=2, seed=0)
 
 
@@ -237,7 +238,7 @@ def test_validation_windows_are_spread_through_the_held_out_stream(tmp_path, kin
   for text in texts:  # read once, in order: no wrap-around to the first document
     stream += [BOS] + list(TOK.encode(text)) + [EOS]
   cfg = _cfg(source="files", path=pattern, val_path=pattern)
-  got = data.validation_windows(cfg, TOK, seq_len=7, batch_size=3, num_batches=2)
+  got = pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=3, num_batches=2)
   assert [b.shape for b in got] == [(3, 8), (3, 8)]
   # 6 windows with evenly spaced starts from 0 to len - 8; window j is row
   # j // 2 of batch j % 2.
@@ -246,28 +247,28 @@ def test_validation_windows_are_spread_through_the_held_out_stream(tmp_path, kin
     np.testing.assert_array_equal(got[j % 2][j // 2], stream[start:start + 8])
   assert starts[-1] + 8 == len(stream)  # the last window ends with the last document
   # Shards of two processes stack to the one-process batches.
-  halves = [data.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2,
+  halves = [pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2,
                                     process_index=p, process_count=2) for p in (0, 1)]
-  whole = data.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2)
+  whole = pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=4, num_batches=2)
   for i in range(2):
     np.testing.assert_array_equal(np.concatenate([halves[0][i], halves[1][i]]), whole[i])
   # data.val_tokens caps the stream the windows are spread over.
   cfg.val_tokens = 20
-  capped = data.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=2)
+  capped = pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=2)
   np.testing.assert_array_equal(capped[1][0], stream[12:20])
   cfg.val_tokens = 5
   with pytest.raises(ValueError, match="fewer than one window"):
-    data.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=1)
+    pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=1)
 
 
 def test_stdlib_validation_windows_do_not_start_at_file_openings():
   cfg = _cfg()
-  got = np.stack(data.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
+  got = np.stack(pipeline.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
                                          num_batches=4))
-  again = np.stack(data.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
+  again = np.stack(pipeline.validation_windows(cfg, TOK, seq_len=63, batch_size=8,
                                            num_batches=4))
   np.testing.assert_array_equal(got, again)
-  first = np.stack(data.validation_batches(cfg, TOK, seq_len=63, batch_size=8,
+  first = np.stack(pipeline.validation_batches(cfg, TOK, seq_len=63, batch_size=8,
                                            num_batches=4))
   assert (first[0, :, 0] == BOS).all()  # the old set: every row opens a file
   assert (got[:, :, 0] == BOS).mean() < 0.1

@@ -13,8 +13,8 @@ import pytest
 
 from fp4jax import diagnostics as D
 from fp4jax import dot as fp4jax_dot
-from fp4jax import formats
-from fp4jax import model as model_lib
+from fp4jax.numerics import formats
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from tests import numpy_reference as ref
 

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import blocks2d, dot, formats, hadamard, recipes
+from fp4jax import dot, recipes
+from fp4jax.numerics import blocks2d
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import eden, formats, hadamard
+from fp4jax.numerics import eden
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from tests import numpy_reference as ref
 
 F32 = np.float32

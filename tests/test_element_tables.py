@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 
 # MX format -> (ml_dtypes type, number of codes)
 TABLES = {
@@ -91,7 +91,7 @@ def test_beyond_max_saturates(fmt):
 
 def test_round_half_even_matches_jnp_round():
   """The Triton-friendly rounding equals jnp.round: ties, -0, NaN, Inf."""
-  from fp4jax import elements
+  from fp4jax.numerics import elements
   ties = np.arange(-64, 64, dtype=np.float32) + np.float32(0.5)
   rng = np.random.default_rng(0)
   t = np.concatenate([ties, rng.uniform(-70, 70, 20000).astype(np.float32),

@@ -355,7 +355,7 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, status):
 
 
 def test_tool_clis(tmp_path):
-  rc, out = run(str(tmp_path / "missing"), module="fp4jax.plot")
+  rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.plot")
   _user_error(rc, out, "missing", "does not exist")
   rc, out = run(str(tmp_path / "missing"), module="fp4jax.experiments.report")
   _user_error(rc, out, "missing", "not a directory")

@@ -1,6 +1,5 @@
 """Drop-in use of the quantized dot_general in Flax linen and NNX layers."""
 
-import functools
 
 import flax.linen as nn
 from flax import nnx

@@ -1,5 +1,5 @@
 """QuantSpec/QArray API, errors, layout, packing, gradients, stochastic
-rounding statistics and hypothesis properties of fp4jax.formats."""
+rounding statistics and hypothesis properties of fp4jax.numerics.formats."""
 
 import functools
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 from tests.test_numpy_reference import _data
 
 MX = [f for f in formats.FORMATS if f.startswith("mx")]

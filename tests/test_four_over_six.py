@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 from tests import numpy_reference as ref
 
 F32 = np.float32

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from fp4jax import model as model_lib
+from fp4jax.llama import model as model_lib
 from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
 from fp4jax.bench import kernels as bench_kernels
 

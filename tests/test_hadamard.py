@@ -1,4 +1,4 @@
-"""Sylvester matrices and block-diagonal rotations (fp4jax.hadamard)."""
+"""Sylvester matrices and block-diagonal rotations (fp4jax.numerics.hadamard)."""
 
 import hypothesis
 from hypothesis import strategies as st
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import hadamard
+from fp4jax.numerics import hadamard
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 32, 128])

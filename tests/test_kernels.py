@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
-from fp4jax import formats, hadamard
+from fp4jax.numerics import elements
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
 from tests.cuda_lowering import lower_for_cuda
@@ -100,10 +102,10 @@ def test_e2m1_codes_and_values_match_the_casts():
   grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
   q = jnp.asarray(np.concatenate([grid, -grid, [np.nan, -np.nan]]))
   want = lax.bitcast_convert_type(q.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
-  np.testing.assert_array_equal(kq.e2m1_codes(q), want)
+  np.testing.assert_array_equal(elements.e2m1_codes(q), want)
   codes = jnp.arange(16, dtype=jnp.int32)
   values = lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
-  _assert_bits_equal(kq.e2m1_values(codes), values.astype(jnp.float32))
+  _assert_bits_equal(elements.e2m1_values(codes), values.astype(jnp.float32))
 
 
 # All four scale modes row-wise; column-wise here floor, and even and ceil in

@@ -1,6 +1,6 @@
 """metrics.jsonl keeps one history across kills, resumes and restarts."""
 
-from fp4jax.metrics_log import MetricsLog, read_metrics
+from fp4jax.train.metrics_log import MetricsLog, read_metrics
 
 
 def _log(workdir, start, steps):

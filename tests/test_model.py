@@ -1,4 +1,4 @@
-"""Tests for fp4jax.model: shapes, counts, RoPE, causality, GQA, scan, bf16 layers."""
+"""Tests for fp4jax.llama.model: shapes, counts, RoPE, causality, GQA, scan, bf16 layers."""
 
 import dataclasses
 import functools
@@ -11,7 +11,7 @@ import pytest
 
 import fp4jax
 import fp4jax.flax as fp4flax
-from fp4jax import model
+from fp4jax.llama import model
 
 # Small enough to compile in about a second; every contraction axis a multiple of 32.
 MICRO = dict(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96,

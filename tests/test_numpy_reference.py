@@ -1,11 +1,11 @@
-"""fp4jax.formats against the independent NumPy reference, bit for bit."""
+"""fp4jax.numerics.formats against the independent NumPy reference, bit for bit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 from tests import numpy_reference as ref
 
 SHAPES_AXES = [((8, 64), -1), ((64, 24), 0), ((3, 40, 5), 1), ((2, 6, 48), 2),

@@ -1,11 +1,11 @@
-"""fp4jax.plot: validation loss against tokens for several runs."""
+"""fp4jax.train.plot: validation loss against tokens for several runs."""
 
 import json
 import os
 
 import pytest
 
-from fp4jax import plot
+from fp4jax.train import plot
 
 
 def _fake_run(workdir, losses, recipe):

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import dot, formats, hadamard, quest, recipes
+from fp4jax import dot, recipes
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
+from fp4jax.numerics import quest
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 from tests import numpy_reference as ref
 

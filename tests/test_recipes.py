@@ -8,7 +8,7 @@ from ml_collections import config_flags
 import pytest
 
 from fp4jax import recipes
-from fp4jax.formats import QuantSpec
+from fp4jax.numerics.formats import QuantSpec
 from fp4jax.recipes import Gemm, Hadamard, Recipe
 
 ISSUE_PRESETS = ("bf16", "fp8", "mxfp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4",

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import backends, dot, formats, model, recipes, residuals, sharding
+from fp4jax import backends, dot, recipes, residuals, sharding
+from fp4jax.numerics import formats
+from fp4jax.llama import model
 from fp4jax.bench import memory
 
 DENSE = (((2,), (0,)), ((), ()))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 
 SPEC = formats.QuantSpec("mxfp4", scale_mode="rceil")
 _quantize = jax.jit(lambda x: formats.quantize(x, SPEC))

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
-from fp4jax import scales
+from fp4jax.numerics import formats
+from fp4jax.numerics import scales
 
 F32_MAX = float(np.finfo(np.float32).max)
 BELOW_8 = float(np.nextafter(np.float32(8.0), np.float32(0.0)))

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from fp4jax import recipes, schedule, trainer
-from fp4jax.metrics_log import read_metrics
+from fp4jax import recipes, schedule
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
+from fp4jax.train.metrics_log import read_metrics
 from tests.test_trainer import _final_state, tiny_config
 
 
@@ -75,5 +77,5 @@ def test_trainer_switches_and_resumes_across_the_switch_bitwise(tmp_path):
 
 
 def test_bad_schedule_is_a_config_error(tmp_path):
-  with pytest.raises(trainer.ConfigError, match="quant_schedule"):
+  with pytest.raises(train_config.ConfigError, match="quant_schedule"):
     trainer.train(tiny_config(quant_schedule=((99, "bf16"),)), str(tmp_path))

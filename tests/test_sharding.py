@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from fp4jax import data
-from fp4jax import model as model_lib
+from fp4jax.data import tokenizers
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from fp4jax import sharding
-from fp4jax import trainer
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
 import sharded_runs
 
 
@@ -333,7 +334,7 @@ RTOL_LATER = {"bf16": 1e-5, "mxfp4-dh16": 5e-3}
 
 def _expected_layout(layout, mesh):
   """Checks a TrainState layout against the rules; returns #arrays checked."""
-  vocab = data.make_tokenizer("bytes").vocab_size  # as the trainer sets it
+  vocab = tokenizers.make_tokenizer("bytes").vocab_size  # as the trainer sets it
   cfg = dataclasses.replace(TINY, n_layers=sharded_runs.N_LAYERS,
                             vocab_size=vocab)
   boxes = {jax.tree_util.keystr(p): b for p, b in
@@ -427,7 +428,7 @@ def test_collective_counts_of_a_data_parallel_and_an_fsdp_matmul():
 def test_the_trainer_refuses_a_straddling_mesh_at_start(tmp_path):
   # embed 128 over fsdp 8: 16 per device, half an MXFP4 block.
   config = sharded_runs.small_config("mxfp4-dh16", mesh=(1, 8, 1))
-  with pytest.raises(trainer.ConfigError, match=r"layer block_0/attn/q: fprop"
+  with pytest.raises(train_config.ConfigError, match=r"layer block_0/attn/q: fprop"
                      r".*local size 16.*MX block 32"):
     trainer.train(config, str(tmp_path))
   assert not os.path.exists(tmp_path / "checkpoints")

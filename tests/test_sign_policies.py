@@ -12,7 +12,10 @@ import optax
 import pytest
 
 import fp4jax
-from fp4jax import dot, flax as fflax, hadamard, model, train_step
+from fp4jax import dot, flax as fflax
+from fp4jax.numerics import hadamard
+from fp4jax.llama import model
+from fp4jax.train import step as train_step
 
 PER_LAYER = fp4jax.recipe("mxfp4-lh16")
 DIMS = (((1,), (0,)), ((), ()))

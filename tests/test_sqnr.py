@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp4jax import formats
+from fp4jax.numerics import formats
 
 SPECS = [formats.QuantSpec(f, scale_mode=m)
          for f in formats.FORMATS

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from fp4jax import data
+from fp4jax.data import pipeline
 from tests.test_data import _expected_rows
 from tests.test_data import TOK
 
@@ -51,7 +51,7 @@ def data_dir(tmp_path_factory):
 
 
 def _cfg(data_dir, **overrides):
-  cfg = data.data_config()
+  cfg = pipeline.data_config()
   cfg.update(source="tfds", path="tiny_text:1.0.0", data_dir=data_dir)
   cfg.update(overrides)
   return cfg
@@ -66,7 +66,7 @@ def _texts(data_dir, split):
 def test_validation_is_the_split_in_order_packed(data_dir):
   texts = _texts(data_dir, "validation")
   assert len(texts) == N_VAL
-  val = data.validation_batches(_cfg(data_dir), TOK, seq_len=15, batch_size=2,
+  val = pipeline.validation_batches(_cfg(data_dir), TOK, seq_len=15, batch_size=2,
                                 num_batches=4)
   np.testing.assert_array_equal(np.stack(val),
                                 _expected_rows(texts, 2, 15, 4))
@@ -74,8 +74,8 @@ def test_validation_is_the_split_in_order_packed(data_dir):
 
 def test_train_is_a_shuffle_of_the_train_split_sharded_per_process(data_dir):
   kw = dict(seq_len=63, global_batch=4, seed=3)
-  one = data.train_iterator(_cfg(data_dir), TOK, **kw)
-  procs = [data.train_iterator(_cfg(data_dir), TOK, process_index=i,
+  one = pipeline.train_iterator(_cfg(data_dir), TOK, **kw)
+  procs = [pipeline.train_iterator(_cfg(data_dir), TOK, process_index=i,
                                process_count=2, **kw) for i in range(2)]
   starts = set()
   for _ in range(12):
@@ -87,21 +87,21 @@ def test_train_is_a_shuffle_of_the_train_split_sharded_per_process(data_dir):
         starts.add(TOK.decode(row[s + 1:s + 10]))
   # 12 x 4 windows of 64 tokens cover more than one epoch of 23 documents.
   assert starts == {f"train-{i:03d}" for i in range(N_TRAIN)}
-  other_seed = data.train_iterator(_cfg(data_dir), TOK, seq_len=63,
+  other_seed = pipeline.train_iterator(_cfg(data_dir), TOK, seq_len=63,
                                    global_batch=4, seed=4)
   assert not np.array_equal(next(other_seed), next(
-      data.train_iterator(_cfg(data_dir), TOK, **kw)))
+      pipeline.train_iterator(_cfg(data_dir), TOK, **kw)))
 
 
 def test_resume_mid_epoch_is_bitwise(data_dir):
   kw = dict(seq_len=31, global_batch=4, seed=0, process_index=1,
             process_count=2)
-  first = data.train_iterator(_cfg(data_dir), TOK, **kw)
+  first = pipeline.train_iterator(_cfg(data_dir), TOK, **kw)
   for _ in range(7):  # mid-epoch: 23 documents, 2 rows of this process
     next(first)
   state = json.loads(json.dumps(first.get_state()))  # as in a checkpoint
   want = [next(first) for _ in range(9)]  # crosses into the next epoch
-  resumed = data.train_iterator(_cfg(data_dir), TOK, **kw)
+  resumed = pipeline.train_iterator(_cfg(data_dir), TOK, **kw)
   resumed.set_state(state)
   np.testing.assert_array_equal(np.stack([next(resumed) for _ in range(9)]),
                                 np.stack(want))
@@ -111,8 +111,8 @@ def test_missing_dataset_or_split_names_it(data_dir, tmp_path):
   kw = dict(seq_len=8, global_batch=2, seed=0)
   with pytest.raises(ValueError, match=r"tfds 'c4/en:3.0.1' split 'train' "
                      r"\(data.data_dir='.*'\) cannot be read: .*tfds build"):
-    data.train_iterator(_cfg(str(tmp_path), path="c4/en:3.0.1"), TOK, **kw)
+    pipeline.train_iterator(_cfg(str(tmp_path), path="c4/en:3.0.1"), TOK, **kw)
   with pytest.raises(ValueError, match="split 'test'.*Unknown split 'test'"):
-    data.train_iterator(_cfg(data_dir, train_split="test"), TOK, **kw)
+    pipeline.train_iterator(_cfg(data_dir, train_split="test"), TOK, **kw)
   with pytest.raises(ValueError, match="no field 'body'"):
-    data.train_iterator(_cfg(data_dir, text_key="body"), TOK, **kw)
+    pipeline.train_iterator(_cfg(data_dir, text_key="body"), TOK, **kw)

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from fp4jax import data
-from fp4jax import tokenizers as fp4tok
+from fp4jax.data import pipeline
+from fp4jax.data import tokenizers as fp4tok
 
 CORPUS = ["def f(x):\n  return x + 1\n", "héllo wörld, ∑ and 🙂",
           "the quick brown fox jumps over the lazy dog"] * 20
@@ -101,10 +101,10 @@ def test_pipeline_packs_with_a_hugging_face_tokenizer(tmp_path):
   docs.mkdir()
   for i, text in enumerate(CORPUS[:3]):
     (docs / f"{i}.txt").write_text(text, encoding="utf-8")
-  cfg = data.data_config()
+  cfg = pipeline.data_config()
   cfg.update(source="files", path=str(docs / "*.txt"),
              val_path=str(docs / "*.txt"))
-  batches = data.validation_batches(cfg, tok, seq_len=7, batch_size=1,
+  batches = pipeline.validation_batches(cfg, tok, seq_len=7, batch_size=1,
                                     num_batches=5)
   stream = []
   while len(stream) < 40:

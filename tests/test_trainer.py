@@ -21,16 +21,18 @@ import pytest
 import tensorstore as ts
 
 from fp4jax import checkpointing
-from fp4jax import trainer
-from fp4jax.metrics_log import read_metrics
+from fp4jax.train import config as train_config
+from fp4jax.train import step as train_step
+from fp4jax.train import trainer
+from fp4jax.train.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**overrides):
   """A one-layer model, 8 x 32 tokens per step, eval every 4 steps."""
-  config = trainer.base_config()
-  config.model = trainer.model_template(
+  config = train_config.base_config()
+  config.model = train_config.model_template(
       "tiny", dim=64, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
   config.quant.name = "bf16"
   config.update(dict(
@@ -103,7 +105,7 @@ def test_mxfp4_dh16_lowers_loss_with_gradient_accumulation(tmp_path):
 
 def test_schedule_warms_up_then_decays_to_min_ratio():
   config = tiny_config(steps=100, warmup_steps=10, lr=1.0)
-  schedule = trainer.train_step.lr_schedule(config)
+  schedule = train_step.lr_schedule(config)
   assert float(schedule(0)) == 0.0
   assert float(schedule(10)) == pytest.approx(1.0)
   assert float(schedule(100)) == pytest.approx(0.1)
@@ -116,7 +118,8 @@ def test_schedule_warms_up_then_decays_to_min_ratio():
 _KILLED_CHILD = """
 import json, os, signal, sys
 import ml_collections
-from fp4jax import trainer
+from fp4jax.train import step as train_step
+from fp4jax.train import trainer
 config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
 def kill(step, state, batch):
   if step == int(sys.argv[3]):
@@ -397,7 +400,7 @@ def test_bad_config_values_fail_at_start_with_a_clear_message(
     config.data.source = "files"
   section, _, name = key.rpartition(".")
   (config[section] if section else config)[name] = value
-  with pytest.raises(trainer.ConfigError) as err:
+  with pytest.raises(train_config.ConfigError) as err:
     trainer.train(config, str(tmp_path))
   assert words in str(err.value)
   assert not os.path.exists(tmp_path / "checkpoints")

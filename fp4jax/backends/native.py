@@ -1,7 +1,7 @@
 """The native backend: each GEMM as one block-scaled GEMM on real low-precision arrays.
 
 Both operands are rotated exactly as in the xla backend, quantized to a QArray
-(fp4jax.formats.quantize: float4_e2m1fn / float8 elements, float8_e8m0fnu or,
+(fp4jax.numerics.formats.quantize: float4_e2m1fn / float8 elements, float8_e8m0fnu or,
 for NVFP4, float8_e4m3fn block scales) and multiplied by
 `jax.nn.scaled_matmul`, which takes the elements and block scales as they are
 and accumulates in float32; the float32 per-tensor factors (NVFP4's global
@@ -38,8 +38,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp4jax import formats
-from fp4jax.backends import apply_factors, xla
+from fp4jax.numerics import formats
+from fp4jax.numerics import operand
+from fp4jax.backends import apply_factors
 
 MIN_CAPABILITY = (10, 0)
 
@@ -80,7 +81,7 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
   """See fp4jax.backends; returns a QArray blocked along `axis`, whose length is
   zero-padded to a multiple of spec.block (the quantized values do not change)."""
   del compute_dtype  # the block-scaled GEMM reads the elements as they are
-  x = xla.pad_axis(xla.rotate(x, rotation, signs, axis), axis, spec.block)
+  x = operand.pad_axis(operand.rotate_padded(x, rotation, signs, axis), axis, spec.block)
   return formats.quantize(x, spec, axis, key)
 
 
@@ -88,7 +89,7 @@ def from_qarray(q, dtype, compute_dtype):
   """See fp4jax.backends; q with its values in the element dtype, zero-padded
   along q.axis to a multiple of the block as `quantize` pads them."""
   del dtype, compute_dtype
-  values = xla.pad_axis(q.values.astype(q.spec.element_dtype), q.axis, q.spec.block)
+  values = operand.pad_axis(q.values.astype(q.spec.element_dtype), q.axis, q.spec.block)
   return dataclasses.replace(q, values=values)
 
 

@@ -8,6 +8,7 @@ GEMM are the xla backend's.
 """
 
 from fp4jax.backends import xla
+from fp4jax.numerics import operand
 from fp4jax.backends.xla import from_qarray, matmul, unsupported  # pylint: disable=unused-import
 
 
@@ -18,6 +19,6 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
   if (spec is None or not spec.is_plain_blocks
       or kernel_quantize.unsupported(spec, block) is not None):
     return xla.quantize(x, spec, rotation, signs, axis, key, compute_dtype)
-  x = xla.pad_axis(x, axis, block or 1)
+  x = operand.pad_axis(x, axis, block or 1)
   y = kernel_quantize.fake_quantize(x, spec, axis, hadamard_block=block, signs=signs, key=key)
   return xla.Operand(y.astype(compute_dtype), None)

@@ -1,7 +1,7 @@
 """The reference backend: jnp fake quantization, then one GEMM in the compute dtype.
 
-An operand is rotated and fake-quantized in float32 (fp4jax.hadamard,
-fp4jax.formats), split into its block-dequantized values and its float32
+An operand is rotated and fake-quantized in float32 (fp4jax.numerics.operand,
+fp4jax.numerics.formats), split into its block-dequantized values and its float32
 per-tensor factor (NVFP4's global scale, stochastic_dither's 4/3; None for
 plain MX), and the values are cast to the recipe's compute dtype. MX and NVFP4
 values (elements times E8M0 / E4M3 block scales) are exact in bf16; the
@@ -18,7 +18,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import formats, hadamard
+from fp4jax.numerics import formats
+from fp4jax.numerics.operand import rotate_padded
 from fp4jax.backends import apply_factors
 
 
@@ -34,31 +35,9 @@ def unsupported(gemm):
   del gemm
 
 
-def pad_axis(x, axis, multiple):
-  """x zero-padded at the end of `axis` to a multiple of `multiple`."""
-  pad = -x.shape[axis] % multiple
-  if not pad:
-    return x
-  return jnp.pad(x, [(0, pad if d == axis else 0) for d in range(x.ndim)])
-
-
-def rotate(x, rotation, signs, axis):
-  """x zero-padded along `axis` to a multiple of rotation.block and rotated with
-  `signs` (None or a +-1 vector), x's dtype; x itself when rotation is None."""
-  if rotation is None:
-    return x
-  return hadamard.rotate(pad_axis(x, axis, rotation.block), rotation.block, axis, signs)
-
-
-def fake_quantize_operand(x, spec, rotation, signs, axis, key):
-  """x rotated and fake-quantized along `axis`, factors included, in x's dtype."""
-  x = rotate(x, rotation, signs, axis)
-  return x if spec is None else formats.fake_quantize(x, spec, axis, key)
-
-
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
   """See fp4jax.backends; returns an Operand."""
-  x = rotate(x, rotation, signs, axis)
+  x = rotate_padded(x, rotation, signs, axis)
   if spec is None:
     return Operand(x.astype(compute_dtype), None)
   if spec.family == "fp8":

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import dot, formats, hadamard, recipes
+from fp4jax import dot, recipes
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from fp4jax.kernels import quantize as kq
 
 CLASSES = ("normal", "nan", "inf", "zero block", "ties", "f32 subnormal",

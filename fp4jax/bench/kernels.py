@@ -13,7 +13,7 @@ written: a quantize reads 2 B/element and writes 0.5 B of packed E2M1 plus
 
   negate (copy)       -x: one read and one write of every element, the copy
                       bandwidth every other row is a fraction of
-  xla ...             fp4jax.formats on the same tensor (quantize returns
+  xla ...             fp4jax.numerics.formats on the same tensor (quantize returns
                       float4 values, which XLA stores one per byte: its true
                       traffic is higher than the bytes counted)
   pallas ...          fp4jax.kernels.quantize, compiled (GPU only; on the CPU
@@ -39,7 +39,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import dot, formats, hadamard, recipes
+from fp4jax import dot, recipes
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
 from fp4jax.bench import hlo_stats
 from fp4jax.bench import choice_list, positive_int
 from fp4jax.bench.dot_general import fwd_bwd

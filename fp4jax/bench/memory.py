@@ -32,7 +32,8 @@ import jax
 from jax.ad_checkpoint import print_saved_residuals
 import jax.numpy as jnp
 
-from fp4jax import dot, model as model_lib, recipes
+from fp4jax import dot, recipes
+from fp4jax.llama import model as model_lib
 
 RECIPES = ("bf16", "fp8", "mxfp4-dh16", "mxfp4-dh16+qres")
 # name -> (model preset, overrides, sequence length): the ablation's tiny model

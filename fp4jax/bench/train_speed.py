@@ -3,7 +3,7 @@
   python -m fp4jax.bench train_speed --config=configs/ablation_gpu.py \
       --recipe mxfp4-dh16 --backend pallas --steps 20 --out run.json
 
-Runs fp4jax.trainer.train on the config (an ablation config loses its own
+Runs fp4jax.train.trainer.train on the config (an ablation config loses its own
 blocks, as in fp4jax.experiments.ablation) for `--steps` steps, evaluating
 only at the start and the end (one batch). tokens/s is the trainer's: every
 step after the first (the compile), data and host work included. Model FLOPs
@@ -25,7 +25,8 @@ import tempfile
 
 import jax
 
-from fp4jax import trainer
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
 from fp4jax.experiments import ablation
 
 H200_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA's H200 SXM datasheet
@@ -52,7 +53,7 @@ def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
   cfg.steps = cfg.eval_every = cfg.checkpoint_every = cfg.log_every = steps
   cfg.eval_batches = 1
   if tiny:
-    cfg.model = trainer.model_template("tiny")
+    cfg.model = train_config.model_template("tiny")
     cfg.batch_size, cfg.seq_len, cfg.eval_batch_size = 4, 64, 4
   return cfg
 

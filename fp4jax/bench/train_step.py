@@ -4,7 +4,7 @@
       [--recipes mxfp4-dh16,...] [--steps 20] [--rounds 3]
 
 The train step of the config (model, batch, sequence length, micro-batches,
-mesh) is built as the trainer builds it (fp4jax.trainer), once per recipe
+mesh) is built as the trainer builds it (fp4jax.train.trainer), once per recipe
 (bf16 always first), compiled, and run on random tokens: `--rounds` rounds,
 each running `--steps` steps of every recipe in turn, so that a load change
 on a shared machine hits all recipes alike. Printed per recipe: the median
@@ -22,7 +22,10 @@ import time
 import jax
 import numpy as np
 
-from fp4jax import data, sharding, train_config, trainer
+from fp4jax import sharding
+from fp4jax.data import tokenizers
+from fp4jax.train import config as train_config
+from fp4jax.train import trainer
 from fp4jax.bench.memory import named_recipe
 from fp4jax.bench.train_speed import load_config
 
@@ -34,7 +37,7 @@ def build(config, recipe_name):
   config = config.copy_and_resolve_references()
   r = named_recipe(recipe_name)
   config.quant.name, config.quant.residuals = recipe_name.removesuffix("+qres"), r.residuals
-  tokenizer = data.make_tokenizer(config.data.tokenizer)
+  tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   mesh = sharding.make_mesh(config.mesh)
   micro = train_config.micro_batch(config)

@@ -10,7 +10,7 @@ chosen layers, then writes WORKDIR/table.md, curves.png and the diagnostics
 figures (fp4jax.experiments.report). Finished runs are skipped; an interrupted
 one resumes from its checkpoint, so the command can simply be run again.
 
-Config: a trainer config (fp4jax.train_config.base_config) plus
+Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.recipes       comma-separated preset names (DEFAULT_RECIPES)
   ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
   ablation.recipe_seeds  fewer seeds for some recipes, e.g. "bf16:2,mxfp4-dh32:2"
@@ -55,15 +55,16 @@ import ml_collections
 from ml_collections import config_dict
 from ml_collections import config_flags
 
-from fp4jax import cli
-from fp4jax import data
+from fp4jax.train import cli
+from fp4jax.data import pipeline
+from fp4jax.data import tokenizers
 from fp4jax import diagnostics
-from fp4jax import model as model_lib
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes as recipes_lib
-from fp4jax import train_config
-from fp4jax import train_step
-from fp4jax import trainer
-from fp4jax import workdir as workdir_lib
+from fp4jax.train import config as train_config
+from fp4jax.train import step as train_step
+from fp4jax.train import trainer
+from fp4jax.train import workdir as workdir_lib
 from fp4jax.experiments import report
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -142,9 +143,9 @@ def diagnostics_callback(config, cfg):
   diag = config.diagnostics
   if not diag.enabled:
     return None
-  tokenizer = data.make_tokenizer(cfg.data.tokenizer)
+  tokenizer = tokenizers.make_tokenizer(cfg.data.tokenizer)
   model_cfg, recipe = train_config.resolve(cfg, tokenizer)
-  ref_batch = data.validation_windows(
+  ref_batch = pipeline.validation_windows(
       cfg.data, tokenizer, seq_len=cfg.seq_len,
       batch_size=diag.ref_batch_size or cfg.batch_size, num_batches=1)[0]
   layers = [n.strip() for n in diag.layers.split(",") if n.strip()] or None

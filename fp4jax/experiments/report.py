@@ -22,7 +22,7 @@ from fp4jax import errors
 from fp4jax.experiments import plots
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
-from fp4jax.metrics_log import read_metrics
+from fp4jax.train.metrics_log import read_metrics
 
 # Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (research.md).
 PAPER = {

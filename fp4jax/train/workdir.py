@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from fp4jax import errors
-from fp4jax import metrics_log
+from fp4jax.train import metrics_log
 
 # Config keys that may differ between the config.json of a workdir and the
 # config it is resumed with (a key also covers everything below it). Every

@@ -56,18 +56,17 @@ import grain
 import ml_collections
 import numpy as np
 
-from fp4jax.data_files import DataError
-from fp4jax.data_files import Replacements
-from fp4jax.data_files import check_json_files
-from fp4jax.data_files import check_text_files
-from fp4jax.data_files import decode_errors_of
-from fp4jax.data_files import open_lines
-from fp4jax.data_files import parse_json
-from fp4jax.data_files import read_error
-from fp4jax.data_files import read_text
-from fp4jax.data_files import text_of
-from fp4jax.data_files import warn_replaced
-from fp4jax.tokenizers import make_tokenizer  # pylint: disable=unused-import
+from fp4jax.data.files import DataError
+from fp4jax.data.files import Replacements
+from fp4jax.data.files import check_json_files
+from fp4jax.data.files import check_text_files
+from fp4jax.data.files import decode_errors_of
+from fp4jax.data.files import open_lines
+from fp4jax.data.files import parse_json
+from fp4jax.data.files import read_error
+from fp4jax.data.files import read_text
+from fp4jax.data.files import text_of
+from fp4jax.data.files import warn_replaced
 
 SOURCES = ("stdlib", "files", "tfds")
 TEXT_SUFFIXES = (".txt",)

@@ -11,7 +11,7 @@ Panferov et al., arXiv 2505.14669) uses it for the MXFP4 forward pass:
           6 * scale are clipped
 
 and a trust estimator for the gradient: the gradient of every clipped element
-(|x| > 6 * scale) is zeroed (fp4jax.formats.clip_mask gives the mask;
+(|x| > 6 * scale) is zeroed (fp4jax.numerics.formats.clip_mask gives the mask;
 fp4jax.dot applies it to Dgrad and Wgrad in the rotated layout in which
 Fprop quantized the operand).
 
@@ -25,7 +25,7 @@ its E2M1 rounding breaks ties downwards where fp4jax rounds to nearest even.
 
 import jax.numpy as jnp
 
-from fp4jax import scales
+from fp4jax.numerics import scales
 
 GAUSSIAN_CLIP = 2.92247856
 

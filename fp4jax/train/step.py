@@ -82,7 +82,7 @@ def loss_fn(model, params, tokens_BxL1, key, layer_key=None, wgrad_switched_L=No
 
   key feeds the "quant" rng stream, layer_key (when given) the "hadamard" one;
   wgrad_switched_L (bool [n_layers] or None): the blocks whose Wgrad uses
-  model.switch_wgrad_to (fp4jax.adaptive).
+  model.switch_wgrad_to (fp4jax.train.adaptive).
   """
   rngs = {"quant": key} if layer_key is None else {"quant": key, "hadamard": layer_key}
   inputs_BxL = tokens_BxL1[:, :-1]

@@ -1,7 +1,7 @@
 """The training program: config -> sharded state -> steps, evals, checkpoints.
 
 `train(config, workdir, callbacks=())` runs (or resumes) one run and returns
-its closing summary. The config keys are listed in fp4jax.train_config
+its closing summary. The config keys are listed in fp4jax.train.config
 (`base_config()`, re-exported here, is what configs/ start from).
 
 Randomness: one seed. seed_key = jax.random.key(seed); the parameters come
@@ -16,7 +16,7 @@ Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
 checkpoints/<step>/, summary.json, lock (while a run holds it), history/
 (records a restart set aside). A workdir that holds a checkpoint resumes from
 its newest readable one, with the config it was started with: see
-fp4jax.workdir for the keys that may change and the lock.
+fp4jax.train.workdir for the keys that may change and the lock.
 """
 
 import dataclasses
@@ -35,25 +35,22 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from fp4jax import adaptive
-from fp4jax import data
-from fp4jax import init_from
-from fp4jax import model as model_lib
+from fp4jax.train import adaptive
+from fp4jax.data import pipeline
+from fp4jax.data import tokenizers
+from fp4jax.train import init_from
+from fp4jax.llama import model as model_lib
 from fp4jax import schedule
 from fp4jax import sharding
-from fp4jax import train_step
-from fp4jax import workdir as workdir_lib
+from fp4jax.train import step as train_step
+from fp4jax.train import workdir as workdir_lib
 from fp4jax.checkpointing import Checkpoints
-from fp4jax.metrics_log import MetricsLog
-# Re-exported: configs and CLIs use trainer.base_config() etc.
-from fp4jax.train_config import ConfigError  # pylint: disable=unused-import
-from fp4jax.train_config import base_config  # pylint: disable=unused-import
-from fp4jax.train_config import check
-from fp4jax.train_config import expand_quant_flag  # pylint: disable=unused-import
-from fp4jax.train_config import micro_batch as _micro_batch
-from fp4jax.train_config import model_template  # pylint: disable=unused-import
-from fp4jax.train_config import resolve
-from fp4jax.train_config import resolve_recipe
+from fp4jax.train.metrics_log import MetricsLog
+from fp4jax.train.config import ConfigError
+from fp4jax.train.config import check
+from fp4jax.train.config import micro_batch as _micro_batch
+from fp4jax.train.config import resolve
+from fp4jax.train.config import resolve_recipe
 
 def _start(config):
   """Checks the config and opens the data; any bad value -> ConfigError.
@@ -64,7 +61,7 @@ def _start(config):
   try:
     sharding.initialize_distributed(config.distributed)
     check(config)
-    tokenizer = data.make_tokenizer(config.data.tokenizer)
+    tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = resolve(config, tokenizer)
     segs = schedule.segments(recipe, config.get("quant_schedule"), config.steps,
                              lambda quant: resolve_recipe(quant, config.dtype))
@@ -82,10 +79,10 @@ def _start(config):
           f"batch shards (data x fsdp) of mesh {dict(mesh.shape)}")
     procs = dict(process_index=jax.process_index(),
                  process_count=jax.process_count())
-    batches = data.train_iterator(
+    batches = pipeline.train_iterator(
         config.data, tokenizer, seq_len=config.seq_len,
         global_batch=config.batch_size, seed=config.seed, **procs)
-    val_local = data.validation_windows(
+    val_local = pipeline.validation_windows(
         config.data, tokenizer, seq_len=config.seq_len,
         batch_size=eval_batch,
         num_batches=config.eval_batches, **procs)
@@ -127,7 +124,7 @@ class _SaveOnError:
   An error in the data, the metrics or a callback (anything but the step
   itself, whose input state is donated) leaves the state after the last
   completed step; it is saved (with the data position before the failed
-  batch, see data.BatchIterator) before the exception goes on, as on SIGTERM.
+  batch, see pipeline.BatchIterator) before the exception goes on, as on SIGTERM.
   `track(step_fn)` wraps the jitted step to know when that state exists.
   """
 
@@ -171,7 +168,7 @@ class _Programs:
   eval: Any             # (params, tokens_BxL1, index) -> loss
   abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
   params_key: Any
-  switchable: bool      # step takes wgrad_switched_L (fp4jax.adaptive)
+  switchable: bool      # step takes wgrad_switched_L (fp4jax.train.adaptive)
 
 
 @functools.lru_cache(maxsize=4)
@@ -179,7 +176,7 @@ def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
               seq_len, mesh, switch_wgrad_to=None):
   """Builds (and caches) the jitted init, step and eval of a run.
 
-  switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.adaptive); the
+  switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.train.adaptive); the
   step then takes the bool [n_layers] wgrad_switched_L as a third argument.
 
   Runs in one process that differ only in data, evaluation, checkpointing or
@@ -259,7 +256,7 @@ def _evaluate(eval_fn, params, val_batches):
   eval_batch_losses: the batch means}.
 
   The batches are equal-sized and each spans the whole validation stream
-  (data.validation_windows), so the standard error is std(batch means) /
+  (pipeline.validation_windows), so the standard error is std(batch means) /
   sqrt(batches) (None with one batch). Every run evaluates the same batches,
   so two runs' batch means give the standard error of their difference.
   """

@@ -18,9 +18,9 @@ full host copy per process.
 import os
 
 from fp4jax import checkpointing
-from fp4jax import convert
-from fp4jax import hf_llama
-from fp4jax.train_config import ConfigError
+from fp4jax.train import export
+from fp4jax.llama import hf as hf_llama
+from fp4jax.train.config import ConfigError
 
 
 class _RunCheckpoint:
@@ -33,7 +33,7 @@ class _RunCheckpoint:
         and os.path.basename(parent) == "checkpoints"):
       run_dir, step = os.path.dirname(parent), int(os.path.basename(
           os.path.normpath(path)))
-    _, theirs = convert.run_config(run_dir)
+    _, theirs = export.run_config(run_dir)
     where = os.path.join(run_dir, "config.json")
     hf_llama.check_model_fields(
         cfg, {k: getattr(theirs, k) for k in hf_llama.MODEL_FIELDS}, where)
@@ -43,7 +43,7 @@ class _RunCheckpoint:
           f"but {theirs.scan_layers} in the checkpoint; set "
           f"--config.model.scan_layers={theirs.scan_layers}")
     self.directory = os.path.join(run_dir, "checkpoints")
-    self.step = convert.run_step(run_dir, step)
+    self.step = export.run_step(run_dir, step)
 
   def load(self, abstract_params):
     return checkpointing.restore_params(self.directory, self.step,

@@ -298,7 +298,7 @@ def _dense(features, axis, kernel_axes, dot_cls, dtype, name):
 
 def _dot_cls(recipe, cfg, switch_wgrad_to=None, wgrad_switched=None):
   """The `dot_general_cls` of a linear layer on `recipe` (capturing when cfg.capture_dots),
-  whose Wgrad is `switch_wgrad_to` where `wgrad_switched` (fp4jax.adaptive)."""
+  whose Wgrad is `switch_wgrad_to` where `wgrad_switched` (fp4jax.train.adaptive)."""
   return functools.partial(fp4flax.DotGeneral, recipe=recipe, capture=cfg.capture_dots,
                            switch_wgrad_to=switch_wgrad_to, wgrad_switched=wgrad_switched)
 
@@ -398,7 +398,7 @@ class Block(nn.Module):
 
   wgrad_switched: None, or a boolean scalar (may be traced): where true, the
   Wgrad of the block's seven linears is `switch_wgrad_to` instead of the
-  recipe's (fp4jax.adaptive).
+  recipe's (fp4jax.train.adaptive).
   """
   config: LlamaConfig
   recipe: recipes.Recipe
@@ -427,7 +427,7 @@ class Llama(nn.Module):
   split across the layers under scan_layers).
 
   switch_wgrad_to, wgrad_switched_L: the adaptive Wgrad switch
-  (fp4jax.adaptive): wgrad_switched_L, bool [n_layers] (may be traced) or
+  (fp4jax.train.adaptive): wgrad_switched_L, bool [n_layers] (may be traced) or
   None, says which blocks compute their linears' Wgrad with the Gemm
   `switch_wgrad_to` (needs scan_layers=False).
   """

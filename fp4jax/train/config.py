@@ -10,7 +10,7 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   quant_schedule              ((start, recipe), ...): later switches of the
                               recipe (fp4jax.schedule); () = config.quant
                               throughout
-  adaptive_wgrad              fp4jax.adaptive.adaptive_config(): per-block
+  adaptive_wgrad              fp4jax.train.adaptive.adaptive_config(): per-block
                               switch of Wgrad to fp8/bf16 when its SNR stays
                               below a threshold (enabled, threshold, window,
                               every, to)
@@ -36,7 +36,7 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   nan_steps                   test hook: steps (from 1) whose loss is made NaN
   mesh, distributed           fp4jax.sharding.mesh_config(), distributed_config()
   init_from                   "" or the parameters to start from: a Hugging Face
-                              Llama directory or an fp4jax run (fp4jax.init_from)
+                              Llama directory or an fp4jax run (fp4jax.train.init_from)
 """
 
 import dataclasses
@@ -45,10 +45,10 @@ import re
 import ml_collections
 from ml_collections import config_dict
 
-from fp4jax import adaptive
-from fp4jax import data
+from fp4jax.train import adaptive
+from fp4jax.data import pipeline
 from fp4jax import errors
-from fp4jax import model as model_lib
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from fp4jax import sharding
 
@@ -102,9 +102,9 @@ def base_config():
       seed=0,
       quant=recipes.config_template("bf16"),
       quant_schedule=(),       # ((start step or fraction, recipe), ...): fp4jax.schedule
-      adaptive_wgrad=adaptive.adaptive_config(),  # per-block Wgrad switch: fp4jax.adaptive
+      adaptive_wgrad=adaptive.adaptive_config(),  # per-block Wgrad switch: fp4jax.train.adaptive
       model=model_template("tiny"),
-      data=data.data_config(),
+      data=pipeline.data_config(),
       batch_size=8,            # global, sequences per step
       micro_batch=0,           # global sequences per accumulation step; 0 = batch_size
       seq_len=128,

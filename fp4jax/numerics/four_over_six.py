@@ -10,7 +10,7 @@ sum((dequantized - x)^2); a tie keeps 6. To leave room for the larger
 scales, the per-tensor scale is amax / (6 * 256) instead of amax / (6 * 448),
 so block scales stay <= 256 * 1.5 = 384 <= 448 (the E4M3 maximum).
 
-fp4jax.formats computes the two candidates (same random bits for both under
+fp4jax.numerics.formats computes the two candidates (same random bits for both under
 stochastic rounding); this module holds the constants and the choice.
 """
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from fp4jax import model as model_lib
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from fp4jax import sharding as sharding_lib
 

@@ -4,7 +4,7 @@ A tensor is cut into blocks of `block` consecutive elements along one axis
 (the whole tensor for per-tensor FP8); each block shares a scale and its
 elements are rounded onto a small float grid:
 
-  mx*     E8M0 scale 2^e per block, e from a scale rule (fp4jax.scales)
+  mx*     E8M0 scale 2^e per block, e from a scale rule (fp4jax.numerics.scales)
   nvfp4   E4M3 scale per 16-block, (block amax / 6) / global_scale rounded
           to nearest E4M3, times an FP32 per-tensor global_scale
           amax / (6*448) (amax over finite values; 1 if that is 0)
@@ -38,10 +38,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp4jax import eden, four_over_six, quest
-from fp4jax import scales as scales_lib
-from fp4jax.elements import ELEMENTS, ElementFormat, round_element
-from fp4jax.scales import block_exponent  # public building block
+from fp4jax.numerics import eden
+from fp4jax.numerics import four_over_six
+from fp4jax.numerics import quest
+from fp4jax.numerics import scales as scales_lib
+from fp4jax.numerics import tiles
+from fp4jax.numerics.elements import ELEMENTS, ElementFormat, round_element
+from fp4jax.numerics.scales import block_exponent  # public building block
 
 # name -> (family, element, default block)
 _FORMATS = {
@@ -74,15 +77,15 @@ class QuantSpec:
   NVFP4, whole tensor for FP8). scale_mode: E8M0 rule, MX only (one of
   SCALE_MODES). rounding: one of ROUNDINGS. block_2d: blocks are square
   tiles of block x block elements over the quantized axis and all other axes
-  flattened (fp4jax.blocks2d), so a matrix and its transpose quantize alike;
+  flattened (fp4jax.numerics.blocks2d), so a matrix and its transpose quantize alike;
   blocked formats only. block_scale, one of BLOCK_SCALES: "amax" (the scale
   rule on the block maximum) or "quest" (mxfp4, nearest, floor only: the
-  scale from the block RMS with clipping, fp4jax.quest; dot_general then
+  scale from the block RMS with clipping, fp4jax.numerics.quest; dot_general then
   zeroes the gradient of clipped Fprop elements) or "four_over_six" (nvfp4,
   nearest or stochastic: each block scaled to a max of 6 or 4, whichever
-  errs less, fp4jax.four_over_six) or "ms_eden" (nvfp4, rounding
+  errs less, fp4jax.numerics.four_over_six) or "ms_eden" (nvfp4, rounding
   "stochastic": elements round to nearest, the EDEN-corrected block scales
-  stochastically; fp4jax.eden).
+  stochastically; fp4jax.numerics.eden).
   """
   fmt: str
   block_size: int | None = None
@@ -358,7 +361,7 @@ def quantize(x, spec: QuantSpec, axis: int = -1, key=None, values_dtype=None) ->
   axis = _check_input(x, spec, axis, key)
   if spec.block_2d:
     raise ValueError("quantize returns 1D blocks; quantize a block_2d spec with "
-                     "fp4jax.blocks2d.quantize_tiles")
+                     "fp4jax.numerics.blocks2d.quantize_tiles")
   q, _, stored, g, n = _element_values(x.astype(jnp.float32), spec, axis, key)
   if n is not None:
     q = _from_blocks(q, axis, n)
@@ -402,12 +405,12 @@ _fake_quantize_ste.defvjp(_ste_fwd, _ste_bwd)
 def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
   """quantize(x, spec, axis, key).dequantize(x.dtype), bit for bit, computed
   in float32 without leaving x's layout; straight-through gradient. A
-  block_2d spec quantizes square tiles (fp4jax.blocks2d.fake_quantize_2d)."""
+  block_2d spec quantizes square tiles (fp4jax.numerics.tiles)."""
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
   if spec.block_2d:
-    from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
-    return blocks2d.fake_quantize_2d(x, spec, axis, key)
+    return tiles.tiled(x, spec, axis,
+                       lambda t, s: (_fake_quantize_ste(t, s, -1, key), None))[0]
   return _fake_quantize_ste(x, spec, axis, key)
 
 
@@ -440,8 +443,8 @@ def fake_quantize_unscaled(x, spec: QuantSpec, axis: int = -1, key=None):
   x = jnp.asarray(x)
   axis = _check_input(x, spec, axis, key)
   if spec.block_2d:
-    from fp4jax import blocks2d  # pylint: disable=g-import-not-at-top (builds on this module)
-    return blocks2d.fake_quantize_2d_unscaled(x, spec, axis, key)
+    return tiles.tiled(x, spec, axis,
+                       lambda t, s: _block_dequantize(t, s, -1, key))
   return _block_dequantize(x, spec, axis, key)
 
 

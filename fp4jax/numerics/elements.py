@@ -89,3 +89,32 @@ def round_element(v, elem: ElementFormat, random_bits=None):
     r = fl + (u < t - fl).astype(jnp.float32)
   return jnp.clip(r * ulp, -elem.max, elem.max)
 
+
+def e2m1_codes(q):
+  """4-bit E2M1 codes (uint8) of float32 values on the E2M1 grid.
+
+  Bit arithmetic that Triton can lower; equal to
+  bitcast(q.astype(float4_e2m1fn), uint4) including -0 and NaN (code 8, as
+  XLA's conversion gives).
+  """
+  bits = lax.bitcast_convert_type(q, jnp.int32)
+  sign = (bits >> 28) & 8
+  mag = bits & 0x7FFFFFFF
+  # |q| >= 1: code = 2 * (exponent + 1) + top mantissa bit; 0.5 -> 1; 0 -> 0.
+  code = jnp.where(mag >= 0x3F800000, (mag >> 22) - 252,
+                   (mag >= 0x3F000000).astype(jnp.int32))
+  code = jnp.where(jnp.isnan(q), 8, sign | code)
+  return code.astype(jnp.uint8)
+
+
+def e2m1_values(codes):
+  """Float32 values of 4-bit E2M1 codes (int32 0..15): the inverse of e2m1_codes.
+
+  Bit arithmetic that Triton can lower; equal to
+  bitcast(codes.astype(uint4), float4_e2m1fn).astype(float32).
+  """
+  mag = codes & 7
+  # mag >= 2: 2^(mag // 2 - 1) * (1 + (mag & 1) / 2); 1 -> 0.5; 0 -> 0.
+  bits = jnp.where(mag >= 2, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22),
+                   jnp.where(mag == 1, 0x3F000000, 0))
+  return lax.bitcast_convert_type(bits | ((codes & 8) << 28), jnp.float32)

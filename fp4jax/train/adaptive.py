@@ -47,9 +47,9 @@ import ml_collections
 import numpy as np
 
 from fp4jax import diagnostics
-from fp4jax import model as model_lib
+from fp4jax.llama import model as model_lib
 from fp4jax import recipes
-from fp4jax import train_step
+from fp4jax.train import step as train_step
 
 DEFAULT_THRESHOLD = math.sqrt(3)  # Chmiel et al.; = fp4jax.experiments.stats.SNR_THRESHOLD
 TARGETS = ("fp8", "bf16")

@@ -1,0 +1,13 @@
+"""The trainer of the study: config, step, loop, workdir safety and the tools around a run.
+
+  config       the trainer's ConfigDict, its checks and the recipe it resolves
+  step         loss, optimizer, learning-rate schedule, the jitted train / eval steps
+  trainer      the loop: start or resume, train, evaluate, checkpoint, summarize
+  workdir      the run folder: lock, resume-config check, history
+  metrics_log  metrics.jsonl (and TensorBoard) writer and reader
+  adaptive     switching a block's Wgrad to FP8/BF16 on its measured SNR
+  init_from    initial weights from a Hugging Face directory or another run
+  export       a run as a Hugging Face Llama directory (`python -m fp4jax.convert`)
+  plot         validation curves of runs in one PNG (`python -m fp4jax.plot`)
+  cli          command-line checks shared by train.py and the experiments
+"""

@@ -1,0 +1,292 @@
+"""Export an fp4jax run as a Hugging Face Llama directory (CLI).
+
+  python -m fp4jax.convert export RUN_DIR OUT_DIR [--step N] \\
+      [--dtype float32|bfloat16] [--max_shard_gb 5]
+
+writes a directory that `transformers.AutoModelForCausalLM.from_pretrained`
+loads as a `LlamaForCausalLM` (no custom code): config.json, the weights as
+model.safetensors (or model-0000i-of-0000n.safetensors with
+model.safetensors.index.json above --max_shard_gb) and the run's tokenizer:
+a Hugging Face tokenizer's files are copied, fp4jax's byte tokenizer is
+written as a byte-level tokenizer.json with the same ids. The names and
+layouts are those of fp4jax.llama.hf; the other way is
+`--config.init_from` (fp4jax.train.init_from). Bad input: one line, exit code 2.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+
+from fp4jax import checkpointing
+from fp4jax.llama import model as model_lib
+from fp4jax.llama.hf import abstract_params
+from fp4jax.llama.hf import ConvertError
+from fp4jax.llama.hf import hf_config
+from fp4jax.llama.hf import INDEX_FILE
+from fp4jax.llama.hf import param_shapes
+from fp4jax.llama.hf import read_json
+from fp4jax.llama.hf import SINGLE_FILE
+from fp4jax.llama.hf import tensor_table
+from fp4jax.llama.hf import to_hf
+
+EXPORT_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json")
+
+# ---------------------------------------------------------------------------
+# fp4jax runs.
+
+
+def run_config(run_dir):
+  """(resolved config dict, LlamaConfig) of an fp4jax run directory."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(path):
+    raise ConvertError(f"{run_dir!r} is not an fp4jax run directory (no "
+                       "config.json)")
+  config = read_json(path, "run config")
+  fields = config.get("resolved", {}).get("model")
+  if not isinstance(fields, dict):
+    raise ConvertError(f"{path!r} has no 'resolved.model' (not written by "
+                       "fp4jax's trainer)")
+  fields = {k: tuple(v) if isinstance(v, list) else v
+            for k, v in fields.items()}
+  try:
+    return config, model_lib.LlamaConfig(**fields)
+  except (TypeError, ValueError) as e:
+    raise ConvertError(f"{path!r}: resolved.model: {e}") from e
+
+
+def run_step(run_dir, step=None):
+  """The checkpoint step to read: `step`, or the run's newest."""
+  directory = os.path.join(run_dir, "checkpoints")
+  steps = checkpointing.committed_steps(directory)
+  if not steps:
+    raise ConvertError(f"{run_dir!r} has no checkpoint under {directory!r}")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise ConvertError(f"no checkpoint at step {step}: {run_dir!r} has "
+                       f"checkpoints at steps {steps}")
+  return step
+
+
+# ---------------------------------------------------------------------------
+# Export.
+
+
+def _shards(table, cfg, dtype, max_bytes):
+  """Splits the table's rows into files of at most max_bytes (>= 1 row each)."""
+  shapes, itemsize = param_shapes(cfg), np.dtype(dtype).itemsize
+  files, size = [[]], 0
+  for row in table:
+    shape = shapes[row[1]][1:] if row[2] is not None else shapes[row[1]]
+    nbytes = math.prod(shape) * itemsize
+    if files[-1] and size + nbytes > max_bytes:
+      files.append([])
+      size = 0
+    files[-1].append(row)
+    size += nbytes
+  return files
+
+
+def _byte_symbols():
+  """The byte -> printable character map of byte-level BPE (GPT-2's).
+
+  Printable Latin-1 bytes stand for themselves; the others, in order, take
+  the characters from U+0100 on.
+  """
+  keep = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC
+          or 0xAE <= b <= 0xFF]
+  others = [b for b in range(256) if b not in keep]
+  symbols = {b: chr(b) for b in keep}
+  symbols.update({b: chr(256 + i) for i, b in enumerate(others)})
+  return symbols
+
+
+BYTE_SPECIAL_NAMES = ("<|begin_of_text|>", "<|end_of_text|>")
+
+
+def byte_tokenizer_files(tok, max_length):
+  """(tokenizer.json, tokenizer_config.json) dicts for fp4jax's ByteTokenizer.
+
+  A byte-level BPE without merges, so token i is byte i; BOS and EOS are
+  added tokens with the ids of `tok`, and BOS is prepended when special
+  tokens are requested (as Llama 3's tokenizer does).
+  """
+  bos, eos = BYTE_SPECIAL_NAMES
+  special = lambda i, name: dict(id=i, content=name, single_word=False,
+                                 lstrip=False, rstrip=False, normalized=False,
+                                 special=True)
+  tokenizer = {
+      "version": "1.0", "truncation": None, "padding": None,
+      "added_tokens": [special(tok.bos_id, bos), special(tok.eos_id, eos)],
+      "normalizer": None,
+      "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
+                        "trim_offsets": True, "use_regex": False},
+      "post_processor": {
+          "type": "TemplateProcessing",
+          "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}}],
+          "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}},
+                   {"Sequence": {"id": "B", "type_id": 1}}],
+          "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id],
+                                   "tokens": [bos]}}},
+      "decoder": {"type": "ByteLevel", "add_prefix_space": False,
+                  "trim_offsets": True, "use_regex": False},
+      "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                "fuse_unk": False, "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {c: b for b, c in _byte_symbols().items()},
+                "merges": []},
+  }
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+            "eos_token": eos, "model_max_length": max_length}
+  return tokenizer, config
+
+
+def _write_tokenizer(tokenizer, tok, out_dir, max_length):
+  """Writes or copies a run's tokenizer files; returns a line for the user."""
+  if tokenizer == "bytes":
+    files = byte_tokenizer_files(tok, max_length)
+    for name, content in zip(TOKENIZER_FILES[:2], files):
+      with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, ensure_ascii=False)
+    return ("tokenizer: the run used fp4jax's byte tokenizer (ids 0-255 are "
+            "UTF-8 bytes, BOS 256, EOS 257); wrote it as a byte-level "
+            "tokenizer.json (no merges) with the same ids")
+  path = tokenizer
+  if os.path.isdir(path):
+    path = os.path.join(path, "tokenizer.json")
+  directory = os.path.dirname(path)
+  if path.endswith(".model"):
+    shutil.copyfile(path, os.path.join(out_dir, "tokenizer.model"))
+    copied = ["tokenizer.model"]
+  else:
+    copied = []
+  for name in TOKENIZER_FILES:
+    source = os.path.join(directory, name)
+    if os.path.isfile(source):
+      shutil.copyfile(source, os.path.join(out_dir, name))
+      copied.append(name)
+  return f"tokenizer: copied {copied} from {directory!r}"
+
+
+def write_weights(params, cfg, out_dir, dtype, max_bytes):
+  """Writes `params` (of LlamaConfig cfg) as Hugging Face safetensors.
+
+  One model.safetensors, or model-0000i-of-0000n.safetensors files of at most
+  `max_bytes` each (one tensor may exceed it) with model.safetensors.index.json.
+  Returns (number of files, bytes of tensor data).
+  """
+  for name in os.listdir(out_dir):  # a previous export's weights
+    if name == INDEX_FILE or re.fullmatch(
+        r"model(-\d{5}-of-\d{5})?\.safetensors", name):
+      os.remove(os.path.join(out_dir, name))
+  files = _shards(tensor_table(cfg), cfg, dtype, max_bytes)
+  names = ([SINGLE_FILE] if len(files) == 1 else
+           [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            for i in range(len(files))])
+  weight_map, total = {}, 0
+  for file_name, rows in zip(names, files):
+    tensors = {}
+    for name, path, layer, layout in rows:
+      leaf = params
+      for key in path:
+        leaf = leaf[key]
+      x = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+      tensors[name] = np.ascontiguousarray(to_hf(layout, x).astype(dtype))
+      weight_map[name] = file_name
+      total += tensors[name].nbytes
+    target = os.path.join(out_dir, file_name)
+    safetensors.numpy.save_file(tensors, target, metadata={"format": "pt"})
+    os.chmod(target, 0o666 & ~_umask())  # safetensors writes 0600
+  if len(files) > 1:
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
+                f, indent=2)
+  return len(files), total
+
+
+def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
+  """Writes the run's checkpoint `step` (default newest) as a HF Llama.
+
+  Returns the lines of a short report (files written, tokenizer).
+  """
+  if dtype not in EXPORT_DTYPES:
+    raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
+  if not max_shard_gb > 0:
+    raise ConvertError(f"--max_shard_gb must be > 0, got {max_shard_gb}")
+  config, cfg = run_config(run_dir)
+  step = run_step(run_dir, step)
+  params = checkpointing.restore_params(
+      os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
+  tokenizer = config.get("data", {}).get("tokenizer", "bytes")
+  tok = _run_tokenizer(tokenizer)
+  os.makedirs(out_dir, exist_ok=True)
+  n_files, total = write_weights(params, cfg, out_dir, EXPORT_DTYPES[dtype],
+                                 max_shard_gb * 1e9)
+  # The context RoPE scaling extends to (or the run's, when longer).
+  max_positions = max(int(config.get("seq_len", 0)),
+                      int(cfg.rope_original_context * cfg.rope_factor))
+  hf = hf_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=dtype,
+                 max_positions=max_positions)
+  with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(hf, f, indent=2)
+  return [f"wrote {out_dir}: step {step} of {run_dir}, "
+          f"{len(tensor_table(cfg))} tensors, "
+          f"{total:,} bytes ({dtype}) in {n_files} file(s)",
+          _write_tokenizer(tokenizer, tok, out_dir, max_positions)]
+
+
+def _umask():
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def _run_tokenizer(tokenizer):
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  try:
+    return tokenizers.make_tokenizer(tokenizer)
+  except (ValueError, OSError, ImportError) as e:
+    raise ConvertError(f"the run's data.tokenizer {tokenizer!r}: {e}") from e
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      prog="python -m fp4jax.convert",
+      description="Export an fp4jax run as a Hugging Face Llama directory.")
+  commands = parser.add_subparsers(dest="command", required=True)
+  exp = commands.add_parser("export", help="RUN_DIR -> Hugging Face OUT_DIR")
+  exp.add_argument("run_dir")
+  exp.add_argument("out_dir")
+  exp.add_argument("--step", type=int, default=None,
+                   help="checkpoint step (default: the newest)")
+  exp.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
+                   help="weight dtype (float32: the master weights exactly)")
+  exp.add_argument("--max_shard_gb", type=float, default=5.0,
+                   help="largest safetensors file before sharding, in GB")
+  args = parser.parse_args(argv)
+  try:
+    lines = export(args.run_dir, args.out_dir, step=args.step,
+                   dtype=args.dtype, max_shard_gb=args.max_shard_gb)
+  except (ConvertError, OSError) as e:
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    return 2
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,94 @@
+"""Validation loss against tokens for several runs, in one PNG.
+
+  python -m fp4jax.plot runs/a runs/b -o curves.png [--labels A B] [--title T]
+
+Each run is a workdir written by fp4jax.train.trainer (its metrics.jsonl rows that
+carry an eval_loss). A run's label defaults to its directory name and recipe.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+from fp4jax import errors
+from fp4jax.train.metrics_log import read_metrics
+
+
+def eval_curve(workdir):
+  """(tokens, eval_loss) lists of a run, in step order (non-finite kept).
+
+  UserError when `workdir` is not a directory or has no evaluated rows.
+  """
+  if not os.path.isdir(workdir):
+    raise errors.UserError(f"run directory {workdir!r} does not exist; give "
+                           "workdirs written by train.py")
+  try:
+    rows = [r for r in read_metrics(workdir) if r.get("eval_loss") is not None]
+  except ValueError as e:
+    raise errors.UserError(f"{workdir}/metrics.jsonl is damaged ({e})") from None
+  if not rows:
+    raise errors.UserError(f"{workdir}: no metrics.jsonl rows with an "
+                           "eval_loss")
+  rows.sort(key=lambda r: r["step"])
+  return [r["tokens"] for r in rows], [r["eval_loss"] for r in rows]
+
+
+def _label(workdir):
+  name = os.path.basename(os.path.normpath(workdir))
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      recipe = json.load(f)["resolved"]["recipe"]["name"]
+  except (OSError, KeyError, ValueError):
+    return name
+  return name if recipe == name else f"{name} ({recipe})"
+
+
+def plot_runs(workdirs, out, labels=None, title=None):
+  """Draws every run's eval-loss curve into `out` (PNG); returns `out`."""
+  labels = labels or [_label(w) for w in workdirs]
+  if len(labels) != len(workdirs):
+    raise errors.UserError(f"{len(labels)} labels for {len(workdirs)} runs")
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for workdir, label in zip(workdirs, labels):
+    tokens, losses = eval_curve(workdir)
+    ax.plot(tokens, [l if math.isfinite(l) else math.nan for l in losses],
+            marker="o", markersize=3, label=label)
+  ax.set_xlabel("tokens")
+  ax.set_ylabel("validation loss")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  if title:
+    ax.set_title(title)
+  fig.tight_layout()
+  fig.savefig(out, dpi=120)
+  plt.close(fig)
+  return out
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      prog="python -m fp4jax.plot", description=__doc__.splitlines()[0])
+  parser.add_argument("workdirs", nargs="+", help="run directories")
+  parser.add_argument("-o", "--out", default="eval_loss.png",
+                      help="output PNG")
+  parser.add_argument("--labels", nargs="+", help="one label per run")
+  parser.add_argument("--title")
+  args = parser.parse_args(argv)
+  try:
+    print(plot_runs(args.workdirs, args.out, args.labels, args.title))
+  except errors.UserError as e:
+    return errors.report(parser.prog, e)
+  except OSError as e:  # the output PNG cannot be written
+    return errors.report(parser.prog, f"cannot write {args.out!r}: {e}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
