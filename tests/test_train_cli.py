@@ -7,7 +7,7 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from fp4jax.train.trainer import expand_quant_flag
+from fp4jax.train.config import expand_quant_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
