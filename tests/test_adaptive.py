@@ -21,7 +21,7 @@ from fp4jax.train import step as train_step
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
-from tests.test_trainer import _final_state, tiny_config
+from tests.helpers import final_state, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAN = float("nan")
@@ -164,7 +164,7 @@ def _losses(workdir):
 
 
 def _assert_same_state(a, b):
-  for x, y in zip(jax.tree.leaves(_final_state(a)[1]), jax.tree.leaves(_final_state(b)[1])):
+  for x, y in zip(jax.tree.leaves(final_state(a)[1]), jax.tree.leaves(final_state(b)[1])):
     np.testing.assert_array_equal(x, y)
 
 

@@ -32,7 +32,7 @@ from fp4jax import sharding
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from multihost_load import CountingFile
-from tests.test_model import _numpy_llama
+from tests.helpers import numpy_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
@@ -202,10 +202,10 @@ def test_numpy_forward_of_the_safetensors_file_gives_fp4jax_logits(
       os.path.join(exported, "model.safetensors"))
   tokens = _tokens()
   want = _fp4jax_logits(cfg, params, tokens)
-  got = _numpy_llama(_reference_params(tensors, c), tokens, c)
+  got = numpy_llama(_reference_params(tensors, c), tokens, c)
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
   # Without the Llama 3 scaling the logits differ: the check sees the RoPE.
-  plain = _numpy_llama(_reference_params(tensors, c), tokens,
+  plain = numpy_llama(_reference_params(tensors, c), tokens,
                        types.SimpleNamespace(**{**vars(c), "rope_factor": 1.0}))
   assert np.abs(plain - want).max() > 1e-2
 

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 
 from fp4jax.data import pipeline
-from fp4jax.data import tokenizers
-
-TOK = tokenizers.make_tokenizer("bytes")
-BOS, EOS = TOK.bos_id, TOK.eos_id
+from tests.helpers import BOS, EOS, expected_rows, TOK
 
 
 def _cfg(**overrides):
@@ -46,19 +43,6 @@ def _write_jsonl(path, texts, key="text"):
       f.write(json.dumps({key: text, "url": "u"}) + "\n")
 
 
-def _expected_rows(texts, rows, seq_len, num_windows):
-  """Row r: documents r, r + rows, ... (repeating), packed into windows."""
-  out = []
-  for r in range(rows):
-    stream, i = [], r
-    while len(stream) < num_windows * (seq_len + 1):
-      stream += [BOS] + list(TOK.encode(texts[i % len(texts)])) + [EOS]
-      i += rows
-    out.append(np.array(stream[:num_windows * (seq_len + 1)]).reshape(
-        num_windows, seq_len + 1))
-  return np.stack(out, axis=1)  # [windows, rows, seq_len + 1]
-
-
 def _doc_ids(batches):
   """The 'doc-NNN' ids whose BOS appears in any row of the batches."""
   ids = set()
@@ -85,7 +69,7 @@ def test_packing_is_exact_concatenation(tmp_path, kind):
                                     num_batches=6)
   assert all(b.shape == (2, 10) and b.dtype == np.int32 for b in batches)
   np.testing.assert_array_equal(np.stack(batches),
-                                _expected_rows(texts, 2, 9, 6))
+                                expected_rows(texts, 2, 9, 6))
 
 
 def test_train_windows_bos_eos_and_determinism():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fp4jax.numerics import formats
-from tests.test_numpy_reference import _data
+from tests.helpers import row_scaled_normal
 
 MX = [f for f in formats.FORMATS if f.startswith("mx")]
 
@@ -93,7 +93,7 @@ def test_bad_inputs():
 ])
 def test_shapes_and_dtypes(fmt, shape, axis, scale_shape):
   spec = formats.QuantSpec(fmt)
-  x = jnp.asarray(_data(shape, 0))
+  x = jnp.asarray(row_scaled_normal(shape, 0))
   q = jax.jit(formats.quantize, static_argnums=(1, 2))(x, spec, axis)
   assert q.values.shape == shape and q.values.dtype == spec.element_dtype
   assert q.scales.shape == scale_shape and q.scales.dtype == spec.scale_dtype
@@ -107,7 +107,7 @@ def test_shapes_and_dtypes(fmt, shape, axis, scale_shape):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e4m3"])
 def test_fake_quantize_is_quantize_dequantize(fmt, dtype):
   """Bit for bit, along both axes of a padded [6, 50] array, stochastic."""
-  x = jnp.asarray(_data((6, 50), 1) / 2**10, dtype)  # f16-safe magnitudes
+  x = jnp.asarray(row_scaled_normal((6, 50), 1) / 2**10, dtype)  # f16-safe magnitudes
   spec = formats.QuantSpec(fmt, rounding="stochastic")
   key = jax.random.key(3)
 
@@ -141,7 +141,7 @@ def test_nan_wins_for_many_shapes():
 
 
 def test_nvfp4_and_fp8_scales():
-  x = jnp.asarray(_data((4, 64), 2))
+  x = jnp.asarray(row_scaled_normal((4, 64), 2))
   amax = np.float32(np.abs(np.asarray(x)).max())
   quant = jax.jit(formats.quantize, static_argnums=1)
   q = quant(x, formats.QuantSpec("nvfp4"))
@@ -154,8 +154,8 @@ def test_nvfp4_and_fp8_scales():
 
 
 def test_straight_through_gradient():
-  x = jnp.asarray(_data((4, 64), 4), jnp.bfloat16)
-  w = jnp.asarray(_data((4, 64), 5), jnp.bfloat16)
+  x = jnp.asarray(row_scaled_normal((4, 64), 4), jnp.bfloat16)
+  w = jnp.asarray(row_scaled_normal((4, 64), 5), jnp.bfloat16)
   for spec, key in [(formats.QuantSpec("mxfp4"), None),
                     (formats.QuantSpec("nvfp4", rounding="stochastic"),
                      jax.random.key(0))]:
@@ -180,7 +180,7 @@ def test_pack_round_trip(axis):
     packed = formats.pack_fp4(q.values, axis)
     return q.values, packed, formats.unpack_fp4(packed, axis)
 
-  values, packed, unpacked = run(jnp.asarray(_data((6, 8, 10), 6)))
+  values, packed, unpacked = run(jnp.asarray(row_scaled_normal((6, 8, 10), 6)))
   assert packed.dtype == jnp.uint8
   assert packed.shape[axis] == values.shape[axis] // 2
   np.testing.assert_array_equal(np.asarray(unpacked, np.float32),
@@ -221,7 +221,7 @@ def test_stochastic_is_unbiased(fmt, mode, rounding):
   (<= gap_max) of x, so its standard deviation is <= gap_max / 2 and the mean
   of N_KEYS draws has standard error <= gap_max / (2 sqrt(N_KEYS)). The
   largest observed |y - x| stands in for gap_max (an upper bound on it)."""
-  x = jnp.asarray(_data((1, 64), 7)[0])
+  x = jnp.asarray(row_scaled_normal((1, 64), 7)[0])
   x = x.at[3].set(7.9 * jnp.max(jnp.abs(x)))  # a block max that floor clips
   mean, max_dev = _mean_over_keys(x, formats.QuantSpec(fmt, scale_mode=mode,
                                                        rounding=rounding))
@@ -238,7 +238,7 @@ def test_plain_stochastic_floor_is_biased_where_it_clips():
 
 
 def test_stochastic_determinism():
-  x = jnp.asarray(_data((8, 64), 8))
+  x = jnp.asarray(row_scaled_normal((8, 64), 8))
   fake = jax.jit(functools.partial(
       formats.fake_quantize,
       spec=formats.QuantSpec("mxfp4", rounding="stochastic")))

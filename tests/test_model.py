@@ -12,6 +12,7 @@ import pytest
 import fp4jax
 import fp4jax.flax as fp4flax
 from fp4jax.llama import model
+from tests.helpers import numpy_llama, reference_llama3_freqs
 
 # Small enough to compile in about a second; every contraction axis a multiple of 32.
 MICRO = dict(vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, mlp_dim=96,
@@ -108,26 +109,10 @@ def test_shapes_dtypes_and_init_scale():
   assert out.shape == (2, 32, 64) and out.dtype == jnp.float32
 
 
-def _reference_llama3_freqs(head_dim, theta, factor, low, high, context):
-  """Meta's reference apply_scaling, as a direct loop."""
-  out = []
-  for i in range(0, head_dim, 2):
-    freq = 1.0 / theta ** (i / head_dim)
-    wavelen = 2 * np.pi / freq
-    if wavelen < context / high:
-      out.append(freq)
-    elif wavelen > context / low:
-      out.append(freq / factor)
-    else:
-      s = (context / wavelen - low) / (high - low)
-      out.append((1 - s) * freq / factor + s * freq)
-  return np.array(out)
-
-
 @pytest.mark.parametrize("factor", [8.0, 1.0])
 def test_rope_matches_numpy(factor):
   cfg = model.model_config("tiny", rope_factor=factor)  # head_dim 32
-  ref = _reference_llama3_freqs(32, 500000.0, factor, 1.0, 4.0, 8192)
+  ref = reference_llama3_freqs(32, 500000.0, factor, 1.0, 4.0, 8192)
   plain = 1.0 / 500000.0 ** (np.arange(0, 32, 2) / 32)
   if factor == 8.0:  # all three regimes occur: kept, interpolated, divided
     assert (ref == plain).any() and (ref == plain / 8).any()
@@ -152,47 +137,9 @@ def test_causal(recipe):
     assert not np.allclose(changed[:, t], base[:, t])
 
 
-def _numpy_llama(p, toks, cfg):
-  """Llama 3.1 forward written directly in NumPy (float64), from the paper's equations.
-
-  cfg: any object with the LlamaConfig size, rope and norm_eps attributes.
-  """
-  p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), p)
-  rms = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
-  freq = _reference_llama3_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_factor,
-                                 cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                                 cfg.rope_original_context)
-  rot = np.exp(1j * np.arange(toks.shape[1])[:, None] * freq)[None, :, None, :]
-
-  def rope(x):
-    half = x.shape[-1] // 2
-    z = (x[..., :half] + 1j * x[..., half:]) * rot
-    return np.concatenate([z.real, z.imag], -1)
-
-  x = p["embed"]["embedding"][np.asarray(toks)]
-  length, group = toks.shape[1], cfg.n_heads // cfg.n_kv_heads
-  for i in range(cfg.n_layers):
-    blk = p[f"block_{i}"]
-    h = rms(x, blk["attn_norm"]["scale"])
-    q = rope(np.einsum("bld,dhk->blhk", h, blk["attn"]["q"]["kernel"]))
-    k = rope(np.einsum("bld,dhk->blhk", h, blk["attn"]["k"]["kernel"]))
-    v = np.einsum("bld,dhk->blhk", h, blk["attn"]["v"]["kernel"])
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # Meta's repeat_kv
-    s = np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim)
-    s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
-    a = np.exp(s - s.max(-1, keepdims=True))
-    a /= a.sum(-1, keepdims=True)
-    x = x + np.einsum("blhk,hkd->bld", np.einsum("bhls,bshk->blhk", a, v),
-                      blk["attn"]["o"]["kernel"])
-    h = rms(x, blk["mlp_norm"]["scale"])
-    g, u = h @ blk["mlp"]["gate"]["kernel"], h @ blk["mlp"]["up"]["kernel"]
-    x = x + (g / (1 + np.exp(-g)) * u) @ blk["mlp"]["down"]["kernel"]
-  return rms(x, p["final_norm"]["scale"]) @ p["head"]["kernel"]
-
-
 def test_forward_matches_numpy_llama():
   cfg = micro()
-  np.testing.assert_allclose(run(cfg, "bf16", init(cfg)), _numpy_llama(init(cfg), tokens(), cfg),
+  np.testing.assert_allclose(run(cfg, "bf16", init(cfg)), numpy_llama(init(cfg), tokens(), cfg),
                              atol=2e-4, rtol=1e-4)
 
 

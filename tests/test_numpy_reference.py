@@ -7,6 +7,7 @@ import pytest
 
 from fp4jax.numerics import formats
 from tests import numpy_reference as ref
+from tests.helpers import row_scaled_normal
 
 SHAPES_AXES = [((8, 64), -1), ((64, 24), 0), ((3, 40, 5), 1), ((2, 6, 48), 2),
                ((100,), 0), ((5, 33), -1)]
@@ -25,16 +26,6 @@ def _cases():
   return cases
 
 
-def _data(shape, seed):
-  """Normal data with per-row magnitudes spread over 2^-20..2^20, some zeros,
-  and, in the first block, values at and around the element max."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape) * 2.0**rng.integers(-20, 20, shape[:1] + (1,) *
-                                                    (len(shape) - 1))
-  x[rng.random(shape) < 0.05] = 0.0
-  return x.astype(np.float32)
-
-
 def _blocked_shape(shape, axis, block):
   if block is None:
     return shape
@@ -49,7 +40,7 @@ def test_matches_reference(fmt, mode, shape, axis, dtype):
   global scale and fake_quantize output equal the reference exactly."""
   specs = [formats.QuantSpec(fmt, scale_mode=mode, rounding=r)
            for r in formats.ROUNDINGS]
-  x = jnp.asarray(_data(shape, hash((fmt, mode)) % 2**32), dtype)
+  x = jnp.asarray(row_scaled_normal(shape, hash((fmt, mode)) % 2**32), dtype)
   key = jax.random.key(7)
   bits_shape = _blocked_shape(shape, axis, specs[0].block)
 
@@ -81,7 +72,7 @@ def test_matches_reference(fmt, mode, shape, axis, dtype):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "fp8_e5m2"])
 def test_special_blocks_match_reference(fmt):
   """NaN, Inf, zero and tiny blocks next to ordinary ones."""
-  x = _data((4, 64), 3)
+  x = row_scaled_normal((4, 64), 3)
   x[0, 3] = np.nan
   x[1, 40] = -np.inf
   x[2, :32] = 0.0

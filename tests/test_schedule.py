@@ -11,7 +11,7 @@ from fp4jax import recipes, schedule
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
-from tests.test_trainer import _final_state, tiny_config
+from tests.helpers import final_state, tiny_config
 
 
 def _resolve(quant):
@@ -72,7 +72,7 @@ def test_trainer_switches_and_resumes_across_the_switch_bitwise(tmp_path):
   summary = trainer.train(cfg(), work)
   assert summary["resumed_from_step"] == 2 and summary["step"] == 6
   assert loss(work) == loss(ref)
-  for a, b in zip(jax.tree.leaves(_final_state(ref)[1]), jax.tree.leaves(_final_state(work)[1])):
+  for a, b in zip(jax.tree.leaves(final_state(ref)[1]), jax.tree.leaves(final_state(work)[1])):
     np.testing.assert_array_equal(a, b)
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from fp4jax.data import pipeline
-from tests.test_data import _expected_rows
-from tests.test_data import TOK
+from tests.helpers import expected_rows
+from tests.helpers import TOK
 
 tfds = pytest.importorskip(
     "tensorflow_datasets",
@@ -69,7 +69,7 @@ def test_validation_is_the_split_in_order_packed(data_dir):
   val = pipeline.validation_batches(_cfg(data_dir), TOK, seq_len=15, batch_size=2,
                                 num_batches=4)
   np.testing.assert_array_equal(np.stack(val),
-                                _expected_rows(texts, 2, 15, 4))
+                                expected_rows(texts, 2, 15, 4))
 
 
 def test_train_is_a_shuffle_of_the_train_split_sharded_per_process(data_dir):

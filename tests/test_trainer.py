@@ -15,7 +15,6 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 import pytest
 import tensorstore as ts
@@ -25,36 +24,9 @@ from fp4jax.train import config as train_config
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
+from tests.helpers import final_state, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(**overrides):
-  """A one-layer model, 8 x 32 tokens per step, eval every 4 steps."""
-  config = train_config.base_config()
-  config.model = train_config.model_template(
-      "tiny", dim=64, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
-  config.quant.name = "bf16"
-  config.update(dict(
-      steps=8, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
-      eval_every=4, eval_batches=1, eval_batch_size=8, checkpoint_every=4,
-      keep_checkpoints=5, log_every=1))
-  for key, value in overrides.items():
-    if key.startswith("quant."):
-      config.quant[key[len("quant."):]] = value
-    else:
-      config[key] = value
-  return config
-
-
-def _final_state(workdir):
-  """The newest checkpoint's state of a finished run, as numpy arrays."""
-  ckpts = checkpointing.Checkpoints(os.path.join(workdir, "checkpoints"),
-                                    keep=100, async_save=False)
-  step = ckpts.steps()[-1]
-  ckpts.close()
-  path = os.path.join(workdir, "checkpoints", str(step), "state")
-  return step, ocp.StandardCheckpointer().restore(path)
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +117,8 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
   summary = trainer.train(config, workdir)
   assert summary["resumed_from_step"] == 4
   assert summary["step"] == 8
-  step_a, state_a = _final_state(reference)
-  step_b, state_b = _final_state(workdir)
+  step_a, state_a = final_state(reference)
+  step_b, state_b = final_state(workdir)
   assert step_a == step_b == 8
   leaves_a, tree_a = jax.tree.flatten(state_a)
   leaves_b, tree_b = jax.tree.flatten(state_b)
@@ -326,8 +298,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(
   summary = trainer.train(tiny_config(), workdir)
   assert summary["resumed_from_step"] == 3 and summary["status"] == "completed"
   reference, _ = bf16_run
-  for a, b in zip(jax.tree.leaves(_final_state(reference)[1]),
-                  jax.tree.leaves(_final_state(workdir)[1])):
+  for a, b in zip(jax.tree.leaves(final_state(reference)[1]),
+                  jax.tree.leaves(final_state(workdir)[1])):
     np.testing.assert_array_equal(a, b)
 
 

@@ -1,0 +1,131 @@
+"""Helpers that several test files share: small configs, runs and references.
+
+Test files import them from here (`from tests.helpers import ...`), never from
+one another.
+"""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from fp4jax import checkpointing
+from fp4jax.data import tokenizers
+from fp4jax.train import config as train_config
+
+# --- data ---------------------------------------------------------------------
+
+TOK = tokenizers.make_tokenizer("bytes")
+BOS, EOS = TOK.bos_id, TOK.eos_id
+
+
+def expected_rows(texts, rows, seq_len, num_windows):
+  """Row r: documents r, r + rows, ... (repeating), packed into windows."""
+  out = []
+  for r in range(rows):
+    stream, i = [], r
+    while len(stream) < num_windows * (seq_len + 1):
+      stream += [BOS] + list(TOK.encode(texts[i % len(texts)])) + [EOS]
+      i += rows
+    out.append(np.array(stream[:num_windows * (seq_len + 1)]).reshape(
+        num_windows, seq_len + 1))
+  return np.stack(out, axis=1)  # [windows, rows, seq_len + 1]
+
+
+# --- numerics -----------------------------------------------------------------
+
+def row_scaled_normal(shape, seed):
+  """float32 normal data of `shape` whose rows (axis 0) are scaled by powers
+  of two from 2^-20 to 2^19, with about 5% zeros."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape) * 2.0**rng.integers(-20, 20, shape[:1] + (1,) *
+                                                    (len(shape) - 1))
+  x[rng.random(shape) < 0.05] = 0.0
+  return x.astype(np.float32)
+
+
+# --- the model ----------------------------------------------------------------
+
+def reference_llama3_freqs(head_dim, theta, factor, low, high, context):
+  """Meta's reference apply_scaling, as a direct loop."""
+  out = []
+  for i in range(0, head_dim, 2):
+    freq = 1.0 / theta ** (i / head_dim)
+    wavelen = 2 * np.pi / freq
+    if wavelen < context / high:
+      out.append(freq)
+    elif wavelen > context / low:
+      out.append(freq / factor)
+    else:
+      s = (context / wavelen - low) / (high - low)
+      out.append((1 - s) * freq / factor + s * freq)
+  return np.array(out)
+
+
+def numpy_llama(p, toks, cfg):
+  """Llama 3.1 forward written directly in NumPy (float64), from the paper's equations.
+
+  cfg: any object with the LlamaConfig size, rope and norm_eps attributes.
+  """
+  p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), p)
+  rms = lambda x, w: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.norm_eps) * w
+  freq = reference_llama3_freqs(cfg.head_dim, cfg.rope_theta, cfg.rope_factor,
+                                 cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                 cfg.rope_original_context)
+  rot = np.exp(1j * np.arange(toks.shape[1])[:, None] * freq)[None, :, None, :]
+
+  def rope(x):
+    half = x.shape[-1] // 2
+    z = (x[..., :half] + 1j * x[..., half:]) * rot
+    return np.concatenate([z.real, z.imag], -1)
+
+  x = p["embed"]["embedding"][np.asarray(toks)]
+  length, group = toks.shape[1], cfg.n_heads // cfg.n_kv_heads
+  for i in range(cfg.n_layers):
+    blk = p[f"block_{i}"]
+    h = rms(x, blk["attn_norm"]["scale"])
+    q = rope(np.einsum("bld,dhk->blhk", h, blk["attn"]["q"]["kernel"]))
+    k = rope(np.einsum("bld,dhk->blhk", h, blk["attn"]["k"]["kernel"]))
+    v = np.einsum("bld,dhk->blhk", h, blk["attn"]["v"]["kernel"])
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # Meta's repeat_kv
+    s = np.einsum("blhk,bshk->bhls", q, k) / np.sqrt(cfg.head_dim)
+    s = np.where(np.tril(np.ones((length, length), bool)), s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    x = x + np.einsum("blhk,hkd->bld", np.einsum("bhls,bshk->blhk", a, v),
+                      blk["attn"]["o"]["kernel"])
+    h = rms(x, blk["mlp_norm"]["scale"])
+    g, u = h @ blk["mlp"]["gate"]["kernel"], h @ blk["mlp"]["up"]["kernel"]
+    x = x + (g / (1 + np.exp(-g)) * u) @ blk["mlp"]["down"]["kernel"]
+  return rms(x, p["final_norm"]["scale"]) @ p["head"]["kernel"]
+
+
+# --- training runs ------------------------------------------------------------
+
+def tiny_config(**overrides):
+  """A one-layer model, 8 x 32 tokens per step, eval every 4 steps."""
+  config = train_config.base_config()
+  config.model = train_config.model_template(
+      "tiny", dim=64, n_layers=1, n_heads=2, n_kv_heads=1, mlp_dim=64)
+  config.quant.name = "bf16"
+  config.update(dict(
+      steps=8, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
+      eval_every=4, eval_batches=1, eval_batch_size=8, checkpoint_every=4,
+      keep_checkpoints=5, log_every=1))
+  for key, value in overrides.items():
+    if key.startswith("quant."):
+      config.quant[key[len("quant."):]] = value
+    else:
+      config[key] = value
+  return config
+
+
+def final_state(workdir):
+  """The newest checkpoint's state of a finished run, as numpy arrays."""
+  ckpts = checkpointing.Checkpoints(os.path.join(workdir, "checkpoints"),
+                                    keep=100, async_save=False)
+  step = ckpts.steps()[-1]
+  ckpts.close()
+  path = os.path.join(workdir, "checkpoints", str(step), "state")
+  return step, ocp.StandardCheckpointer().restore(path)
