@@ -39,6 +39,7 @@ def _tiny_ablation_config():
   return config
 
 
+@pytest.mark.slow
 def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   config = _tiny_ablation_config()
   rows = ablation.run_ablation(config, str(tmp_path))

@@ -168,6 +168,7 @@ def _assert_same_state(a, b):
     np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_trainer_switches_logs_and_resumes_bitwise(tmp_path):
   """Threshold 1e9 (every SNR is below): the one block switches at the third
   measurement (step 3) and computes its Wgrad in FP8 from step 4. Steps 1-3
@@ -226,6 +227,7 @@ def test_bad_values_are_config_errors(tmp_path, key, value, match):
   assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_cli_bad_value_is_one_line_and_exit_2(tmp_path):
   result = subprocess.run(
       [sys.executable, "train.py", "--config=configs/default.py", f"--workdir={tmp_path}",

@@ -34,6 +34,10 @@ from fp4jax.train import trainer
 from multihost_load import CountingFile
 from tests.helpers import numpy_llama
 
+# Every test but one reads the module's trained run; some start processes or
+# load the export with transformers.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 2
 
@@ -290,7 +294,7 @@ def _transformers():
              if importlib.util.find_spec(m) is None]
   if missing:
     pytest.skip(f"{' and '.join(missing)} not installed (pip install "
-                "'fp4jax[test]'): the export is not loaded with transformers")
+                "'fp4jax[interop]'): the export is not loaded with transformers")
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   return torch, transformers

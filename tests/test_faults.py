@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test starts a CLI process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
 TINY = ["--config=configs/default.py", "--config.quant=bf16",

@@ -15,6 +15,8 @@ import pytest
 
 import sharded_runs
 
+pytestmark = pytest.mark.slow  # two processes, each training
+
 STEPS = 2
 TIMEOUT_S = 300
 

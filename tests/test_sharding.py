@@ -366,6 +366,7 @@ def _assert_close(got, ref, step, rtol, keys=("loss", "grad_norm")):
 
 # bf16 on the data-parallel mesh only: the model and tensor-parallel meshes
 # shard the same arrays for both recipes (suite time).
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,mesh", [("bf16", MESHES[0])] + [
     ("mxfp4-dh16", m) for m in MESHES], ids=lambda v: "x".join(map(str, v))
                          if isinstance(v, tuple) else v)
@@ -387,6 +388,7 @@ def test_sharded_training_matches_one_device(recipe, mesh):
   assert _expected_layout(layout, mesh) == 3 * n_params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src, dst", [((2, 2, 2), (1, 1, 1)),
                                       ((1, 1, 1), (2, 2, 2))],
                          ids=["8_to_1_device", "1_to_8_devices"])

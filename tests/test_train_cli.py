@@ -6,6 +6,7 @@ import sys
 
 from absl import flags
 from ml_collections import config_flags
+import pytest
 
 from fp4jax.train.config import expand_quant_flag
 
@@ -36,6 +37,7 @@ def test_rewritten_argv_parses_into_the_default_config():
   assert config.model.name == "tiny"
 
 
+@pytest.mark.slow
 def test_cli_rejects_an_unknown_recipe_before_training(tmp_path):
   result = subprocess.run(
       [sys.executable, "train.py", "--config=configs/default.py",

@@ -39,6 +39,7 @@ def bf16_run(tmp_path_factory):
 # ------------------------------------------------------------- learning
 
 
+@pytest.mark.slow
 def test_bf16_run_lowers_loss_and_writes_its_outputs(bf16_run):
   workdir, summary = bf16_run
   rows = read_metrics(workdir)
@@ -64,6 +65,7 @@ def test_bf16_run_lowers_loss_and_writes_its_outputs(bf16_run):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
 
 
+@pytest.mark.slow
 def test_mxfp4_dh16_lowers_loss_with_gradient_accumulation(tmp_path):
   summary = trainer.train(
       tiny_config(**{"quant.name": "mxfp4-dh16", "micro_batch": 8,
@@ -100,6 +102,7 @@ trainer.train(config, sys.argv[2], callbacks=[kill])
 """
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
     bf16_run, tmp_path):
   reference, _ = bf16_run
@@ -282,6 +285,7 @@ def test_a_failed_restore_leaves_its_loop_open_for_late_callbacks():
   assert not loop.is_closed()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(
     bf16_run, tmp_path):
   workdir = str(tmp_path)
@@ -306,6 +310,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_then_the_run_resumes(
 # ------------------------------------------------------------- stopping
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_and_counted(tmp_path):
   checksums = {}
 
@@ -329,6 +334,7 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
                  for a, b in zip(checksums[4], checksums[5]))
 
 
+@pytest.mark.slow
 def test_too_many_bad_steps_stop_the_run_keeping_the_good_checkpoint(
     tmp_path):
   # Same program as the test above (compiled once): only max_bad_steps differs.
@@ -342,6 +348,7 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_good_checkpoint(
   assert steps[-1] == 2
 
 
+@pytest.mark.slow
 def test_target_eval_loss_stops_the_run_and_records_tokens(tmp_path):
   summary = trainer.train(tiny_config(target_eval_loss=100.0, eval_every=2),
                           str(tmp_path))
