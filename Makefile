@@ -1,27 +1,34 @@
-# The two commands of the README: `make train` (the main job) and `make test`.
+# The two commands of the README: `make train` (the main job) and `make test`
+# (the whole suite); `make test-fast` leaves out the tests marked slow.
 # PYTHON picks the interpreter (e.g. `make test PYTHON=python3.12`); each
 # interpreter gets its own virtual environment, .venv for the default python3
-# and .venv-<name> for any other, so the two never clash.
+# and .venv-<name> for any other, so the two never clash. EXTRAS picks the
+# pyproject extras installed (e.g. `make test EXTRAS=test,interop` adds torch
+# and transformers); each set has its own stamp, so a new set installs.
 PYTHON ?= python3
 VENV ?= .venv$(if $(filter python3,$(PYTHON)),,-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
+EXTRAS ?= test
 WORKDIR ?= runs/demo
 
-.PHONY: train test install clean
+.PHONY: train test test-fast install clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed-$(EXTRAS)
 
 train: install
 	$(PY) train.py --config=configs/default.py --workdir=$(WORKDIR)
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+test-fast: install
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 clean:
 	rm -rf .venv .venv-* runs
