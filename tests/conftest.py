@@ -1,11 +1,25 @@
-"""Test-wide setup: eight virtual CPU devices, so sharding tests can build meshes.
+"""Test-wide setup: eight virtual CPU devices, so sharding tests can build meshes,
+and one JAX compilation cache for all the processes of a test run.
 
-The flag must be set before JAX initialises its backends, hence here.
+The flags must be set before JAX initialises its backends, hence here.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The pytest-xdist workers and the train.py processes the tests start inherit
+# this environment, so a program that several of them build (the tiny train
+# step) compiles once per run. The cache is a fresh temporary directory that
+# the first process of the run (the one without FP4JAX_TEST_JAX_CACHE) removes.
+if "FP4JAX_TEST_JAX_CACHE" not in os.environ:
+  os.environ["FP4JAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="fp4jax-test-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["FP4JAX_TEST_JAX_CACHE"], True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["FP4JAX_TEST_JAX_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
