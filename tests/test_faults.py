@@ -40,17 +40,24 @@ def _env():
   return env
 
 
-def run(*args, module=None):
-  """(exit status, stdout + stderr) of `python train.py ARGS` (or -m module)."""
-  cmd = [sys.executable] + (["-m", module] if module else ["train.py"])
+# train.py with trainer.train's test hook nan_steps=(1, 2): those steps' loss is NaN.
+NAN_TRAIN = ("import functools, runpy, sys; from fp4jax.train import trainer; "
+             "trainer.train = functools.partial(trainer.train, nan_steps=(1, 2)); "
+             "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+
+
+def run(*args, module=None, code=None):
+  """(exit status, stdout + stderr) of `python train.py ARGS` (or -m module, -c code)."""
+  cmd = [sys.executable] + (["-m", module] if module else ["-c", code] if code
+                            else ["train.py"])
   result = subprocess.run(cmd + list(args), cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
   return result.returncode, result.stdout + result.stderr
 
 
-def train(workdir, corpus, *extra):
+def train(workdir, corpus, *extra, code=None):
   return run(f"--workdir={workdir}", *TINY,
-             f"--config.data.path={corpus}/*.txt", *TRAINED, *extra)
+             f"--config.data.path={corpus}/*.txt", *TRAINED, *extra, code=code)
 
 
 def _user_error(rc, out, *names):
@@ -210,8 +217,8 @@ def test_metrics_without_checkpoints_then_divergence(workdir, corpus):
   path, before = workdir
   shutil.rmtree(path / "checkpoints")
   before = (set(), before[1])
-  rc, out = train(path, corpus, "--config.nan_steps=1,2",
-                  "--config.max_bad_steps=2", "--config.eval_every=100")
+  rc, out = train(path, corpus, "--config.max_bad_steps=2",
+                  "--config.eval_every=100", code=NAN_TRAIN)
   assert rc == 1, out[-3000:]
   assert "no readable checkpoint" in out and "history/1" in out, out[-3000:]
   assert "No checkpoint had been saved yet" in out, out[-3000:]

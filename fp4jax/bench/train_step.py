@@ -40,10 +40,7 @@ def build(config, recipe_name):
   tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   mesh = sharding.make_mesh(config.mesh)
-  micro = train_config.micro_batch(config)
-  programs = trainer._programs(  # pylint: disable=protected-access
-      model_cfg, recipe, tuple((k, config[k]) for k in trainer._OPTIMIZER_KEYS),  # pylint: disable=protected-access
-      config.seed, config.batch_size // micro, (), config.seq_len, mesh)
+  programs = trainer.make_programs(config, model_cfg, recipe, mesh)
   state = programs.init(programs.params_key)
   rows = np.random.default_rng(0).integers(
       0, model_cfg.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
