@@ -278,17 +278,17 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
   cases = _bad_corpora(tmp_path)
   script = (
       "import sys, json\n"
-      "from fp4jax import data, tokenizers\n"
+      "from fp4jax.data import files, pipeline, tokenizers\n"
       "tok = tokenizers.make_tokenizer('bytes')\n"
       "for name, pattern in json.loads(sys.argv[1]).items():\n"
-      "  cfg = data.data_config()\n"
+      "  cfg = pipeline.data_config()\n"
       "  cfg.source, cfg.path, cfg.val_path = 'files', pattern, pattern\n"
       "  cfg.decode_errors = 'replace' if name == 'replaced' else 'strict'\n"
       "  try:\n"
-      "    it = data.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
+      "    it = pipeline.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
       "    for _ in range(50): next(it)\n"
       "    print(name, 'ACCEPTED')\n"
-      "  except data.DataError as e:\n"
+      "  except files.DataError as e:\n"
       "    print(name, '|', e)\n")
   patterns = {k: str(tmp_path / k / p) for k, (p, _) in cases.items()}
   result = subprocess.run([sys.executable, "-c", script, json.dumps(patterns)],
