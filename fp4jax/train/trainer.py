@@ -39,6 +39,7 @@ from fp4jax.train import adaptive
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
+from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
 from fp4jax import schedule
 from fp4jax import sharding
@@ -69,8 +70,8 @@ def _start(config):
     mesh = sharding.make_mesh(config.mesh)
     micro_batch = _micro_batch(config)
     for seg in segs:
-      sharding.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
-                            seq_len=config.seq_len)
+      block_check.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
+                               seq_len=config.seq_len)
     eval_batch = config.eval_batch_size or micro_batch
     if eval_batch % sharding.batch_shards(mesh):
       raise ValueError(
