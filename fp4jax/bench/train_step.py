@@ -27,7 +27,7 @@ from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from fp4jax.bench.memory import named_recipe
-from fp4jax.bench.train_speed import load_config
+from fp4jax.train.cli import load_config_file
 
 DEFAULT_CONFIG = "configs/ablation_tiny.py"
 
@@ -79,7 +79,7 @@ def main(argv):
       named_recipe(n)
   except ValueError as e:
     parser_.exit(2, f"--recipes: {e}\n")
-  config = load_config(args.config)
+  config = load_config_file(args.config)
   tokens_per_step = config.batch_size * config.seq_len
   runs = {}
   for n in names:
