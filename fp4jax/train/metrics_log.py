@@ -5,11 +5,15 @@ JSON object per logged step; non-finite floats are written as NaN/Infinity
 (Python's json reads them back).
 """
 
+import errno
 import json
 import math
 import os
 import sys
 import time
+
+from fp4jax import errors
+from fp4jax.train import atomic
 
 
 def read_metrics(workdir):
@@ -22,14 +26,18 @@ def read_metrics(workdir):
 
 
 def _truncate_after(path, step):
-  """Drops rows with row["step"] > step (left by a run killed after `step`)."""
+  """Drops rows with row["step"] > step (left by a run killed after `step`).
+
+  Rewrites the file (atomically) only when a row is dropped.
+  """
   if not os.path.exists(path):
     return
   with open(path) as f:
-    rows = [line for line in f if line.strip()]
+    text = f.read()
+  rows = [line + "\n" for line in text.splitlines() if line.strip()]
   kept = [line for line in rows if row_step(line) <= step]
-  with open(path, "w") as f:
-    f.writelines(kept)
+  if len(kept) < len(rows) or "".join(kept) != text:
+    atomic.write_text(path, "".join(kept))
 
 
 def row_step(line):
@@ -38,6 +46,22 @@ def row_step(line):
     return json.loads(line)["step"]
   except (ValueError, KeyError, TypeError):
     return math.inf
+
+
+def _append(path, line):
+  """Appends `line`; on a full disk, cuts the file back to its old end (no
+  half row) and raises errors.DiskFull."""
+  size = os.path.getsize(path) if os.path.exists(path) else 0
+  try:
+    with open(path, "a") as f:
+      f.write(line)
+      f.flush()
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    with open(path, "r+") as f:
+      f.truncate(size)
+    raise errors.disk_full(path, len(line)) from None
 
 
 def _tensorboard_writer(logdir):
@@ -72,8 +96,7 @@ class MetricsLog:
     """Appends one row (a dict with at least "step") and shows progress."""
     if not self.enabled:
       return
-    with open(self._path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    _append(self._path, json.dumps(row) + "\n")
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)):

@@ -15,6 +15,7 @@
   WORKDIR/history/<n>/ first, with a message naming it.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from fp4jax import errors
+from fp4jax.train import atomic
 from fp4jax.train import metrics_log
 
 # Config keys that may differ between the config.json of a workdir and the
@@ -55,21 +57,33 @@ def json_default(x):
 
 
 def write_json(path, obj):
-  """Writes obj as JSON to path atomically (a temporary file, then rename)."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=json_default)
-  os.replace(tmp, path)
+  """Writes obj as JSON to path atomically (fp4jax.train.atomic); a file
+  that already holds exactly that is left alone."""
+  text = json.dumps(obj, indent=2, default=json_default)
+  try:
+    with open(path) as f:
+      if f.read() == text:
+        return
+  except (OSError, UnicodeDecodeError):
+    pass
+  atomic.write_text(path, text)
 
 
 def prepare(workdir):
   """Creates `workdir` if needed; WorkdirError if it is not a writable dir."""
+  if os.path.islink(workdir) and not os.path.exists(workdir):
+    raise WorkdirError(f"workdir {workdir!r} is a symbolic link to "
+                       f"{os.readlink(workdir)!r}, which does not exist; "
+                       "create that directory, or remove the link to have "
+                       "the workdir created here.")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f"workdir {workdir!r} is a file, not a directory; "
                        "give a directory (it is created if missing).")
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
+    if e.errno == errno.ENOSPC:
+      raise errors.disk_full(workdir, None) from None
     raise WorkdirError(f"cannot create workdir {workdir!r}: "
                        f"{e.strerror}") from None
   if not os.access(workdir, os.W_OK | os.X_OK):
@@ -135,16 +149,29 @@ class WorkdirLock:
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
 
   def _create(self):
-    for _ in range(2):  # the second try follows a stale lock's removal
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        self._take_over_if_stale()
-        continue
-      with os.fdopen(fd, "w") as f:
+    """Writes the record to a temporary file, then links it as the lock: the
+    lock appears whole or not at all (a full disk or a kill leaves none)."""
+    tmp = f"{self.path}.{os.getpid()}.tmp"
+    try:
+      with open(tmp, "w") as f:
         json.dump(self._record(), f)
-      self._held = True
-      return
+        f.flush()
+        os.fsync(f.fileno())
+      for _ in range(2):  # the second try follows a stale lock's removal
+        try:
+          os.link(tmp, self.path)
+        except FileExistsError:
+          self._take_over_if_stale()
+          continue
+        self._held = True
+        return
+    except OSError as e:
+      if e.errno == errno.ENOSPC:
+        raise errors.disk_full(self.path, None) from None
+      raise
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
     raise WorkdirError(f"could not take the lock {self.path}")
 
   def _read(self):
@@ -290,17 +317,44 @@ def set_aside_history(workdir, start_step):
 
 
 
-def _keep_records(workdir):
+def _keep_records(workdir, extra=None):
   """Copies metrics.jsonl, summary.json, config.json to a new
-  WORKDIR/history/<n>/ (n = 1, 2, ...: nothing is replaced); returns it."""
+  WORKDIR/history/<n>/ (n = 1, 2, ...: nothing is replaced); returns it.
+
+  `extra`: {file name: text} written there too. The copy is made in
+  history/.<n>.partial and renamed to <n> when complete, so history/ never
+  holds a half copy (a partial one a killed run left is removed here).
+  """
   root = os.path.join(workdir, "history")
-  os.makedirs(root, exist_ok=True)
-  n = 1
-  while os.path.exists(os.path.join(root, str(n))):
-    n += 1
-  dst = os.path.join(root, str(n))
-  os.makedirs(dst)
-  for name in ("metrics.jsonl", "summary.json", "config.json"):
-    if os.path.exists(os.path.join(workdir, name)):
-      shutil.copy2(os.path.join(workdir, name), dst)
+  partial = None
+  try:
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+      if name.startswith(".") and name.endswith(".partial"):
+        shutil.rmtree(os.path.join(root, name))
+    n = 1
+    while os.path.exists(os.path.join(root, str(n))):
+      n += 1
+    dst = os.path.join(root, str(n))
+    partial = os.path.join(root, f".{n}.partial")
+    os.makedirs(partial)
+    for name in ("metrics.jsonl", "summary.json", "config.json"):
+      if os.path.exists(os.path.join(workdir, name)):
+        shutil.copy2(os.path.join(workdir, name), partial)
+    for name, text in (extra or {}).items():
+      with open(os.path.join(partial, name), "w") as f:
+        f.write(text)
+    for hook in atomic.BEFORE_RENAME:
+      hook(partial)
+    os.rename(partial, dst)
+  except OSError as e:
+    if partial is not None:
+      shutil.rmtree(partial, ignore_errors=True)
+    if e.errno == errno.ENOSPC:
+      needed = sum(os.path.getsize(os.path.join(workdir, name))
+                   for name in ("metrics.jsonl", "summary.json", "config.json")
+                   if os.path.exists(os.path.join(workdir, name)))
+      raise errors.disk_full(root, needed) from None
+    raise
+  atomic.fsync_dir(root)
   return dst

@@ -1,0 +1,65 @@
+"""Writes that leave either the old file or the new one, never a part.
+
+`write_text(path, text)` writes a temporary file in the same folder, fsyncs
+it and renames it over `path` (a rename within one folder is atomic on
+POSIX), then fsyncs the folder so the rename itself survives a crash. A
+full disk (ENOSPC) removes the temporary file and raises errors.DiskFull
+naming `path` and the space the write needed; the old file is untouched.
+`BEFORE_RENAME` is a test hook: called with the temporary path just before
+the rename (a test kills the process there).
+"""
+
+import errno
+import os
+import tempfile
+
+from fp4jax import errors
+
+BEFORE_RENAME = []
+
+
+def fsync_dir(directory):
+  """fsync of a folder (makes a rename or a new entry in it durable)."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return  # not supported here (e.g. some network file systems)
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_text(path, text):
+  """Replaces (or creates) `path` with `text` (str or bytes) atomically."""
+  data = text.encode("utf-8") if isinstance(text, str) else text
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory,
+                             prefix=f".{os.path.basename(path)}.",
+                             suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~umask())  # mkstemp creates 0600
+    for hook in BEFORE_RENAME:
+      hook(tmp)
+    os.replace(tmp, path)
+  except BaseException as e:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+      raise errors.disk_full(path, len(data)) from None
+    raise
+  fsync_dir(directory)
+
+
+def umask():
+  """The process umask (read without changing it)."""
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+

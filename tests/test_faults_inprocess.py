@@ -1,0 +1,207 @@
+"""Fault injection in-process: kills, full disks and half-written files.
+
+A "kill" is a BaseException raised at a chosen write (nothing after it in
+the program runs, and no `except Exception` catches it); a full disk is an
+OSError(ENOSPC) raised at a chosen write. The runs are a tiny model of a
+few steps (tests/test_trainer.py's config), made once per module.
+"""
+
+import builtins
+import errno
+import json
+import os
+import shutil
+
+import pytest
+
+from fp4jax import errors
+from fp4jax.train import atomic
+from fp4jax.train import trainer
+from fp4jax.train.metrics_log import read_metrics
+from tests.test_trainer import tiny_config
+
+STEPS = dict(async_checkpointing=False)  # 8 steps, checkpoints at 4 and 8
+
+
+class Killed(BaseException):
+  """Stands for SIGKILL: raised at a write, caught only by the test."""
+
+
+def _records(workdir):
+  """Every metrics row anywhere in the workdir (metrics.jsonl, history/)."""
+  rows = set()
+  for directory, _, names in os.walk(workdir):
+    if "metrics.jsonl" in names:
+      with open(os.path.join(directory, "metrics.jsonl")) as f:
+        rows |= {line.strip() for line in f if line.strip()}
+  return rows
+
+
+class WriteFaults:
+  """Counts the writes to a workdir's own files (not checkpoints/) and
+  raises `fault()` at write number `at` (1, 2, ...): after an open for
+  writing (the file is created or emptied), before a rename / link, and
+  at fp4jax.train.atomic's hook before it renames."""
+
+  def __init__(self, monkeypatch, workdir, at, fault):
+    self.workdir, self.at, self.fault, self.count = str(workdir), at, fault, 0
+    real_open, real = builtins.open, {}
+
+    def counted(path):
+      path = os.path.abspath(os.fspath(path))
+      rel = os.path.relpath(path, self.workdir)
+      if rel.startswith("..") or rel.split(os.sep)[0] in (
+          "checkpoints", "checkpoints_corrupt", "tensorboard"):
+        return
+      self.count += 1
+      if self.count == self.at:
+        raise self.fault()
+
+    def open_(file, mode="r", *args, **kwargs):
+      f = real_open(file, mode, *args, **kwargs)
+      if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+"):
+        try:
+          counted(file)
+        except BaseException:
+          f.close()
+          raise
+      return f
+
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(atomic, "BEFORE_RENAME", [counted])
+    for name in ("replace", "rename", "link"):
+      real[name] = getattr(os, name)
+      monkeypatch.setattr(os, name, lambda src, dst, *a, _f=real[name], **k: (
+          counted(dst), _f(src, dst, *a, **k))[1])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A finished 8-step run (checkpoints at steps 4 and 8)."""
+  workdir = tmp_path_factory.mktemp("trained") / "run"
+  trainer.train(tiny_config(**STEPS), str(workdir))
+  return workdir
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["drops_nothing",
+                                                     "drops_rows"])
+def test_a_kill_at_every_start_up_write_loses_no_row(trained, tmp_path,
+                                                     monkeypatch, drop):
+  """Kills a (re)start at each of its writes in turn, then starts again:
+  every row survives (in metrics.jsonl or history/) and the next start
+  runs. With `drop`, the step-8 checkpoint is gone, so the restart resumes
+  at step 4 and sets rows 5 to 8 aside."""
+  at = 1
+  while True:
+    workdir = tmp_path / f"kill{at}"
+    shutil.copytree(trained, workdir)
+    if drop:
+      shutil.rmtree(workdir / "checkpoints" / "8")
+    before = _records(workdir)
+    with monkeypatch.context() as m:
+      faults = WriteFaults(m, workdir, at, Killed)
+      try:
+        trainer.train(tiny_config(**STEPS), str(workdir))
+        killed = False
+      except Killed:
+        killed = True
+    assert before <= _records(workdir), (at, before - _records(workdir))
+    summary = trainer.train(tiny_config(**STEPS), str(workdir))
+    assert summary["step"] == 8
+    assert before <= _records(workdir), at
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(9))
+    json.loads((workdir / "config.json").read_text())
+    history = workdir / "history"
+    for n in (os.listdir(history) if history.exists() else []):
+      assert n.isdigit(), n  # no half copy left under history/
+    if not killed:
+      break
+    at += 1
+  assert faults.count >= 3, faults.count  # lock, config.json, summary.json
+
+
+def test_a_start_that_drops_nothing_rewrites_nothing(trained, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  metrics = workdir / "metrics.jsonl"
+  mtime, text = os.stat(metrics).st_mtime_ns, metrics.read_text()
+  trainer.train(tiny_config(**STEPS), str(workdir))
+  assert os.stat(metrics).st_mtime_ns == mtime and metrics.read_text() == text
+  assert not (workdir / "history").exists()
+
+
+# ---------------------------------------------------------------------------
+# A full disk: one line naming the path, nothing half-written left.
+
+
+def _enospc():
+  return OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_an_atomic_write_keeps_the_old_file(tmp_path,
+                                                           monkeypatch):
+  path = tmp_path / "config.json"
+  path.write_text("old")
+  real_fdopen = os.fdopen
+
+  class Full:  # a file whose writes fail as on a full disk
+    def __init__(self, f):
+      self.f = f
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      self.f.close()
+    def write(self, data):
+      raise _enospc()
+
+  monkeypatch.setattr(os, "fdopen", lambda *a, **k: Full(real_fdopen(*a, **k)))
+  with pytest.raises(errors.DiskFull, match=r"config.json.*needs about 3 "
+                     r"bytes.*free"):
+    atomic.write_text(str(path), "new")
+  assert path.read_text() == "old"
+  assert os.listdir(tmp_path) == ["config.json"]  # no temporary file left
+
+
+def test_a_full_disk_at_start_up_leaves_no_lock_and_no_half_history(
+    tmp_path, monkeypatch):
+  from fp4jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+  with monkeypatch.context() as m:
+    WriteFaults(m, tmp_path, 1, _enospc)  # the lock's first write
+    with pytest.raises(errors.DiskFull, match="lock"):
+      workdir_lib.WorkdirLock(str(tmp_path)).acquire()
+  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+  workdir_lib.WorkdirLock(str(tmp_path)).acquire().release()
+  with monkeypatch.context() as m:
+    WriteFaults(m, tmp_path, 2, _enospc)  # history/: the second file copied
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(errors.DiskFull, match="history"):
+      workdir_lib.set_aside_history(str(tmp_path), 0)
+  assert os.listdir(tmp_path / "history") == []
+  assert workdir_lib.set_aside_history(str(tmp_path), 0).endswith("history/1")
+
+
+def test_a_full_disk_at_a_metrics_row_leaves_no_half_row(tmp_path,
+                                                         monkeypatch):
+  from fp4jax.train import metrics_log  # pylint: disable=g-import-not-at-top
+  log = metrics_log.MetricsLog(str(tmp_path), total_steps=2, start_step=0)
+  log.write(dict(step=0, loss=1.0))
+  real_open = builtins.open
+
+  def half_then_full(file, mode="r", *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    if "a" in mode:
+      write = f.write
+      def cut(text):
+        write(text[:5])
+        f.flush()
+        raise _enospc()
+      f.write = cut
+    return f
+
+  monkeypatch.setattr(builtins, "open", half_then_full)
+  with pytest.raises(errors.DiskFull, match="metrics.jsonl"):
+    log.write(dict(step=1, loss=0.5))
+  monkeypatch.undo()
+  assert (tmp_path / "metrics.jsonl").read_text() == (
+      json.dumps(dict(step=0, loss=1.0)) + "\n")
