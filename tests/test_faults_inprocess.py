@@ -131,6 +131,54 @@ def test_a_start_that_drops_nothing_rewrites_nothing(trained, tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Every reader of metrics.jsonl takes a run in progress.
+
+
+def _run_in_progress(path, half=True):
+  """A run folder whose metrics.jsonl ends in a half-written row."""
+  os.makedirs(path)
+  rows = [dict(step=i, tokens=100 * i, eval_loss=5.0 - i) for i in range(3)]
+  text = "".join(json.dumps(r) + "\n" for r in rows)
+  (path / "metrics.jsonl").write_text(text + ('{"step": 3, "tok' if half
+                                              else ""))
+  return rows
+
+
+def test_every_metrics_reader_skips_a_half_written_last_line(tmp_path):
+  from fp4jax.experiments import report  # pylint: disable=g-import-not-at-top
+  from fp4jax.train import metrics_log  # pylint: disable=g-import-not-at-top
+  from fp4jax.train import plot  # pylint: disable=g-import-not-at-top
+  rows = _run_in_progress(tmp_path / "fp8")
+  assert read_metrics(tmp_path / "fp8") == rows
+  assert plot.eval_curve(str(tmp_path / "fp8")) == ([0, 100, 200],
+                                                    [5.0, 4.0, 3.0])
+  report.write_report(str(tmp_path), ["fp8"])
+  assert "fp8" in (tmp_path / "table.md").read_text()
+  # The trainer's restart: the half row is dropped, the rows kept.
+  metrics_log.MetricsLog(str(tmp_path / "fp8"), total_steps=3, start_step=2)
+  assert (tmp_path / "fp8" / "metrics.jsonl").read_text().endswith(
+      json.dumps(rows[-1]) + "\n")
+
+
+def test_a_damaged_middle_line_is_named(tmp_path):
+  from fp4jax.train import plot  # pylint: disable=g-import-not-at-top
+  _run_in_progress(tmp_path / "run", half=False)
+  with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+    f.write("garbage\n" + json.dumps(dict(step=4, tokens=1, eval_loss=1.0))
+            + "\n")
+  with pytest.raises(errors.UserError, match=r"metrics.jsonl line 4 is not"):
+    plot.eval_curve(str(tmp_path / "run"))
+
+
+def test_report_on_one_run_folder_says_to_pass_its_parent(tmp_path):
+  from fp4jax.experiments import report  # pylint: disable=g-import-not-at-top
+  _run_in_progress(tmp_path / "fp8")
+  with pytest.raises(errors.UserError, match="folder of one run") as e:
+    report.write_report(str(tmp_path / "fp8"))
+  assert repr(str(tmp_path)) in str(e.value)
+
+
+# ---------------------------------------------------------------------------
 # A full disk: one line naming the path, nothing half-written left.
 
 

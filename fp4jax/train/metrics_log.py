@@ -2,7 +2,9 @@
 
 Only process 0 writes (`enabled=False` elsewhere). metrics.jsonl holds one
 JSON object per logged step; non-finite floats are written as NaN/Infinity
-(Python's json reads them back).
+(Python's json reads them back). `read_metrics` is the one reader of it
+(trainer, plot, report): it skips a half-written last line, which a run in
+progress or a killed one leaves, and names any other damaged line.
 """
 
 import errno
@@ -16,13 +18,32 @@ from fp4jax import errors
 from fp4jax.train import atomic
 
 
+class MetricsError(errors.UserError):
+  """A line of metrics.jsonl other than the last one is not a JSON row."""
+
+
 def read_metrics(workdir):
-  """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts."""
+  """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts.
+
+  A last line that does not parse (being written, or cut by a kill) is
+  skipped; MetricsError names any other line that does not.
+  """
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [(i + 1, line) for i, line in enumerate(f) if line.strip()]
+  rows = []
+  for k, (number, line) in enumerate(lines):
+    try:
+      row = json.loads(line)
+    except ValueError as e:
+      if k == len(lines) - 1:
+        break
+      raise MetricsError(f"{path} line {number} is not a JSON row ({e}); "
+                         "repair or delete that line") from None
+    rows.append(row)
+  return rows
 
 
 def _truncate_after(path, step):
