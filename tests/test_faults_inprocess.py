@@ -16,6 +16,7 @@ import pytest
 
 from fp4jax import errors
 from fp4jax.train import atomic
+from fp4jax.train import export
 from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
 from tests.test_trainer import tiny_config
@@ -253,3 +254,69 @@ def test_a_full_disk_at_a_metrics_row_leaves_no_half_row(tmp_path,
   monkeypatch.undo()
   assert (tmp_path / "metrics.jsonl").read_text() == (
       json.dumps(dict(step=0, loss=1.0)) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# Export: into a temporary sibling, renamed into place when complete.
+
+
+def _tree(path):
+  """{relative path: bytes} of a folder (None if there is none)."""
+  if not os.path.isdir(path):
+    return None
+  out = {}
+  for directory, _, names in os.walk(path):
+    for name in names:
+      full = os.path.join(directory, name)
+      with open(full, "rb") as f:
+        out[os.path.relpath(full, path)] = f.read()
+  return out
+
+
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh",
+                                                         "re_export"])
+def test_a_killed_export_keeps_the_previous_one(trained, tmp_path,
+                                                monkeypatch, previous):
+  out = tmp_path / "hf"
+  if previous:
+    export.export(str(trained), str(out), step=4)
+  old = _tree(out)
+  at = 1
+  while True:
+    with monkeypatch.context() as m:
+      WriteFaults(m, tmp_path, at, Killed)
+      try:
+        export.export(str(trained), str(out), overwrite=True)
+        break
+      except Killed:
+        pass
+    assert _tree(out) == old, at  # the old export whole, or still none
+    at += 1
+  assert at > 3, at  # config.json, tokenizer files, the rename
+  new = _tree(out)
+  assert new != old and "model.safetensors" in new and "tokenizer.json" in new
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # no .partial left
+
+
+def test_export_refuses_a_file_or_an_export_without_overwrite(trained,
+                                                              tmp_path):
+  (tmp_path / "file").write_text("x")
+  assert export.main(["export", str(trained), str(tmp_path / "file")]) == 2
+  assert (tmp_path / "file").read_text() == "x"
+  export.export(str(trained), str(tmp_path / "hf"))
+  with pytest.raises(ValueError, match="--overwrite"):
+    export.export(str(trained), str(tmp_path / "hf"))
+
+
+def test_a_full_disk_during_export_keeps_the_previous_one(trained, tmp_path,
+                                                          monkeypatch, capsys):
+  out = tmp_path / "hf"
+  export.export(str(trained), str(out), step=4)
+  old = _tree(out)
+  with monkeypatch.context() as m:
+    WriteFaults(m, tmp_path, 1, _enospc)
+    assert export.main(["export", str(trained), str(out), "--overwrite"]) == 2
+  err = capsys.readouterr().err
+  assert "no space left" in err and str(out) in err and "needs about" in err
+  assert err.count("\n") == 1, err
+  assert _tree(out) == old and sorted(os.listdir(tmp_path)) == ["hf"]

@@ -5,12 +5,15 @@ it and renames it over `path` (a rename within one folder is atomic on
 POSIX), then fsyncs the folder so the rename itself survives a crash. A
 full disk (ENOSPC) removes the temporary file and raises errors.DiskFull
 naming `path` and the space the write needed; the old file is untouched.
-`BEFORE_RENAME` is a test hook: called with the temporary path just before
+`replace_dir(src, dst)` puts a complete folder in place of another (Linux:
+one atomic exchange). `BEFORE_RENAME` is a test hook: called with the temporary path just before
 the rename (a test kills the process there).
 """
 
+import ctypes
 import errno
 import os
+import shutil
 import tempfile
 
 from fp4jax import errors
@@ -63,3 +66,47 @@ def umask():
   os.umask(mask)
   return mask
 
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a, b):
+  """Swaps the paths a and b in one step (Linux renameat2); False where
+  that is not available."""
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (OSError, AttributeError):
+    return False
+  if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
+               _RENAME_EXCHANGE) == 0:
+    return True
+  if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    return False  # this file system cannot exchange
+  err = ctypes.get_errno()
+  raise OSError(err, os.strerror(err), b)
+
+
+def replace_dir(src, dst):
+  """Moves the folder `src` to `dst`, replacing a folder there.
+
+  `src` and `dst` must be on one file system (siblings). Where the kernel
+  can exchange two paths, `dst` is at every moment the old folder or the new
+  one; elsewhere the old one is moved to `dst`.old for the instant between
+  two renames (and removed after).
+  """
+  for hook in BEFORE_RENAME:
+    hook(src)
+  if os.path.isdir(dst):
+    if _exchange(src, dst):
+      shutil.rmtree(src)  # now the old folder
+      fsync_dir(os.path.dirname(os.path.abspath(dst)))
+      return
+    old = dst + ".old"
+    if os.path.isdir(old):
+      shutil.rmtree(old)
+    os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old)
+  else:
+    os.rename(src, dst)
+  fsync_dir(os.path.dirname(os.path.abspath(dst)))
