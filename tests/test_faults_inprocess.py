@@ -320,3 +320,48 @@ def test_a_full_disk_during_export_keeps_the_previous_one(trained, tmp_path,
   assert "no space left" in err and str(out) in err and "needs about" in err
   assert err.count("\n") == 1, err
   assert _tree(out) == old and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+# ---------------------------------------------------------------------------
+# The data a position belongs to.
+
+
+def _text_corpus(path, n):
+  os.makedirs(path, exist_ok=True)
+  for i in range(n):
+    (path / f"doc{i}.txt").write_text(f"Document {i}: flat is better. " * 20)
+
+
+def _iterator(corpus):
+  from fp4jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  cfg = pipeline.data_config()
+  cfg.source, cfg.path = "files", f"{corpus}/*.txt"
+  cfg.val_path = cfg.path
+  return pipeline.train_iterator(cfg, tokenizers.make_tokenizer("bytes"),
+                                 seq_len=16, global_batch=2, seed=0)
+
+
+def test_a_data_position_is_refused_for_changed_files(tmp_path):
+  from fp4jax.data import identity  # pylint: disable=g-import-not-at-top
+  corpus = tmp_path / "corpus"
+  _text_corpus(corpus, 10)
+  it = _iterator(corpus)
+  next(it)
+  state = json.loads(json.dumps(it.get_state()))  # as in a checkpoint
+  _iterator(corpus).set_state(state)  # the same files: fine
+  for i in range(2, 10):
+    os.remove(corpus / f"doc{i}.txt")
+  (corpus / "doc1.txt").write_text("longer " * 100)
+  (corpus / "new.txt").write_text("a new document " * 10)
+  changed = _iterator(corpus)
+  with pytest.raises(identity.DataChanged) as e:
+    changed.set_state(state)
+  message = str(e.value)
+  assert "8 of its 10 files gone ('doc2.txt', 'doc3.txt', 'doc4.txt', ...)" \
+      in message, message
+  assert "1 file new ('new.txt')" in message
+  assert "1 file changed size ('doc1.txt': 560 -> 700 bytes)" in message
+  changed.set_state(state, other_data=True)  # accepted when asked
+  del state["data"]  # a checkpoint from before the identity was kept
+  changed.set_state(state)
