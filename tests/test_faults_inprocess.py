@@ -365,3 +365,24 @@ def test_a_data_position_is_refused_for_changed_files(tmp_path):
   changed.set_state(state, other_data=True)  # accepted when asked
   del state["data"]  # a checkpoint from before the identity was kept
   changed.set_state(state)
+
+
+# ---------------------------------------------------------------------------
+# Runs that stopped learning.
+
+
+def test_a_stall_is_found_once_after_a_window():
+  from fp4jax.train import stall  # pylint: disable=g-import-not-at-top
+  uniform = stall.math.log(258)
+  watch = stall.StallWatch(258, after_step=5, window=4)
+  found = [watch.update(s, uniform, 1.0) for s in range(1, 10)]
+  # Steps 1-5 are the warm-up; 6, 7, 8, 9 are the window.
+  assert found[:8] == [None] * 8 and "steps 6-9" in found[8], found
+  assert "ln(vocab_size) = 5.5530" in watch.found
+  assert watch.update(10, uniform, 1.0) is None  # said once
+  watch = stall.StallWatch(258, window=3)
+  found = [watch.update(s, 3.0, g) for s, g in
+           enumerate([0.0, 0.0, 0.5, 0.0, 0.0, 0.0], 1)]
+  assert found[:5] == [None] * 5 and "gradient norm was exactly 0" in found[5]
+  watch = stall.StallWatch(258, window=3)  # a learning run: nothing
+  assert {watch.update(s, 5.0 - 0.1 * s, 1.0) for s in range(1, 50)} == {None}
