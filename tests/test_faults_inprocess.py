@@ -11,13 +11,25 @@ import errno
 import json
 import os
 import shutil
+import threading
+import time
 
+import orbax.checkpoint as ocp
 import pytest
 
+from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax.data import identity
+from fp4jax.data import pipeline
+from fp4jax.data import tokenizers
+from fp4jax.experiments import report
 from fp4jax.train import atomic
 from fp4jax.train import export
+from fp4jax.train import metrics_log
+from fp4jax.train import plot
+from fp4jax.train import stall
 from fp4jax.train import trainer
+from fp4jax.train import workdir as workdir_lib
 from fp4jax.train.metrics_log import read_metrics
 from tests.test_trainer import tiny_config
 
@@ -146,9 +158,6 @@ def _run_in_progress(path, half=True):
 
 
 def test_every_metrics_reader_skips_a_half_written_last_line(tmp_path):
-  from fp4jax.experiments import report  # pylint: disable=g-import-not-at-top
-  from fp4jax.train import metrics_log  # pylint: disable=g-import-not-at-top
-  from fp4jax.train import plot  # pylint: disable=g-import-not-at-top
   rows = _run_in_progress(tmp_path / "fp8")
   assert read_metrics(tmp_path / "fp8") == rows
   assert plot.eval_curve(str(tmp_path / "fp8")) == ([0, 100, 200],
@@ -162,7 +171,6 @@ def test_every_metrics_reader_skips_a_half_written_last_line(tmp_path):
 
 
 def test_a_damaged_middle_line_is_named(tmp_path):
-  from fp4jax.train import plot  # pylint: disable=g-import-not-at-top
   _run_in_progress(tmp_path / "run", half=False)
   with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
     f.write("garbage\n" + json.dumps(dict(step=4, tokens=1, eval_loss=1.0))
@@ -172,7 +180,6 @@ def test_a_damaged_middle_line_is_named(tmp_path):
 
 
 def test_report_on_one_run_folder_says_to_pass_its_parent(tmp_path):
-  from fp4jax.experiments import report  # pylint: disable=g-import-not-at-top
   _run_in_progress(tmp_path / "fp8")
   with pytest.raises(errors.UserError, match="folder of one run") as e:
     report.write_report(str(tmp_path / "fp8"))
@@ -213,7 +220,6 @@ def test_a_full_disk_at_an_atomic_write_keeps_the_old_file(tmp_path,
 
 def test_a_full_disk_at_start_up_leaves_no_lock_and_no_half_history(
     tmp_path, monkeypatch):
-  from fp4jax.train import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
   with monkeypatch.context() as m:
     WriteFaults(m, tmp_path, 1, _enospc)  # the lock's first write
@@ -232,7 +238,6 @@ def test_a_full_disk_at_start_up_leaves_no_lock_and_no_half_history(
 
 def test_a_full_disk_at_a_metrics_row_leaves_no_half_row(tmp_path,
                                                          monkeypatch):
-  from fp4jax.train import metrics_log  # pylint: disable=g-import-not-at-top
   log = metrics_log.MetricsLog(str(tmp_path), total_steps=2, start_step=0)
   log.write(dict(step=0, loss=1.0))
   real_open = builtins.open
@@ -333,8 +338,6 @@ def _text_corpus(path, n):
 
 
 def _iterator(corpus):
-  from fp4jax.data import pipeline  # pylint: disable=g-import-not-at-top
-  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
   cfg = pipeline.data_config()
   cfg.source, cfg.path = "files", f"{corpus}/*.txt"
   cfg.val_path = cfg.path
@@ -343,7 +346,6 @@ def _iterator(corpus):
 
 
 def test_a_data_position_is_refused_for_changed_files(tmp_path):
-  from fp4jax.data import identity  # pylint: disable=g-import-not-at-top
   corpus = tmp_path / "corpus"
   _text_corpus(corpus, 10)
   it = _iterator(corpus)
@@ -372,7 +374,6 @@ def test_a_data_position_is_refused_for_changed_files(tmp_path):
 
 
 def test_a_stall_is_found_once_after_a_window():
-  from fp4jax.train import stall  # pylint: disable=g-import-not-at-top
   uniform = stall.math.log(258)
   watch = stall.StallWatch(258, after_step=5, window=4)
   found = [watch.update(s, uniform, 1.0) for s in range(1, 10)]
@@ -386,3 +387,166 @@ def test_a_stall_is_found_once_after_a_window():
   assert found[:5] == [None] * 5 and "gradient norm was exactly 0" in found[5]
   watch = stall.StallWatch(258, window=3)  # a learning run: nothing
   assert {watch.update(s, 5.0 - 0.1 * s, 1.0) for s in range(1, 50)} == {None}
+
+
+# ---------------------------------------------------------------------------
+# The resume check reads the config the checkpoint carries.
+
+
+def _resolved(n_layers=1):
+  return dict(model=dict(n_layers=n_layers, dim=64),
+              recipe=dict(name="bf16", wgrad=dict(hadamard=dict(block=0))))
+
+
+def _checkpointed(workdir, saved, step=4):
+  """A committed checkpoint directory whose JSON item carries `saved`."""
+  os.makedirs(workdir / "checkpoints" / str(step) / "state")
+  os.makedirs(workdir / "checkpoints" / str(step) / "data")
+  (workdir / "checkpoints" / str(step) / "data" / "metadata").write_text(
+      json.dumps({"processes": [], "config": saved}))
+
+
+def test_the_resume_check_needs_no_config_json(tmp_path):
+  saved = dict(tiny_config().to_dict(), resolved=_resolved())
+  _checkpointed(tmp_path, saved)
+  for config_json in (None, "[]", '{"steps": 3}', "{"):
+    if config_json is not None:
+      (tmp_path / "config.json").write_text(config_json)
+    with pytest.raises(errors.UserError, match=r"from its checkpoint: "
+                       r"quant.name: 'bf16' -> 'fp8'"):
+      workdir_lib.check_resume_config(str(tmp_path),
+                                      tiny_config(**{"quant.name": "fp8"}),
+                                      _resolved())
+    assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(steps=9),
+                                           _resolved()) == []
+
+
+def test_the_resume_check_shows_the_values_in_effect(tmp_path):
+  """model.n_layers None is the preset's value (1 here): giving 1 changes
+  nothing, giving 3 is refused as 1 -> 3, not None -> 3."""
+  saved = tiny_config()
+  saved.model.n_layers = None
+  _checkpointed(tmp_path, dict(saved.to_dict(), resolved=_resolved(1)))
+  assert workdir_lib.check_resume_config(
+      str(tmp_path), tiny_config(), _resolved(1)) == []
+  config = tiny_config()
+  config.model.n_layers = 3
+  with pytest.raises(errors.UserError, match=r"model.n_layers: 1 -> 3\)"):
+    workdir_lib.check_resume_config(str(tmp_path), config, _resolved(3))
+  assert workdir_lib.check_resume_config(
+      str(tmp_path), config, _resolved(3), override=True) == ["model.n_layers"]
+  note = json.loads((tmp_path / "history" / "1" / "resume_override.json")
+                    .read_text())
+  assert note["override_resume"] == [dict(key="model.n_layers", was=1, now=3)]
+
+
+def test_an_old_checkpoint_without_a_usable_config_json_is_refused(tmp_path):
+  _checkpointed(tmp_path, None)  # written before checkpoints carried it
+  (tmp_path / "config.json").write_text("[]")
+  with pytest.raises(errors.UserError, match=r"config.json is not a config "
+                     r"written by fp4jax's trainer \(it holds a list\).*"
+                     "--override_resume"):
+    workdir_lib.check_resume_config(str(tmp_path), tiny_config(), _resolved())
+  assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(),
+                                         _resolved(), override=True) == []
+
+
+# ---------------------------------------------------------------------------
+# The trainer: changed data, a lost config.json, a full disk, a stall.
+
+
+def _files_config(corpus, **overrides):
+  config = tiny_config(**STEPS, **overrides)
+  config.data.source, config.data.path = "files", f"{corpus}/*.txt"
+  config.data.val_path = config.data.path
+  return config
+
+
+def test_a_corpus_changed_between_stop_and_resume(tmp_path, trained):
+  """The rerun is refused naming the vanished files; --override_resume
+  continues on the files left and records that in history/."""
+  del trained  # compiled the programs these runs share
+  corpus, workdir = tmp_path / "corpus", tmp_path / "run"
+  _text_corpus(corpus, 10)
+  trainer.train(_files_config(corpus), str(workdir))
+  shutil.rmtree(workdir / "checkpoints" / "8")  # as if stopped at step 4
+  for i in range(3, 10):
+    os.remove(corpus / f"doc{i}.txt")
+  with pytest.raises(errors.UserError, match=r"the training data changed "
+                     r"since the checkpoint at step 4.*7 of its 10 files gone "
+                     r"\('doc3.txt'.*--override_resume"):
+    trainer.train(_files_config(corpus), str(workdir))
+  summary = trainer.train(_files_config(corpus), str(workdir),
+                          override_resume=True)
+  assert summary["step"] == 8 and summary["resumed_from_step"] == 4
+  notes = [json.loads(p.read_text()) for p in
+           (workdir / "history").glob("*/resume_override.json")]
+  assert [n["data"] for n in notes] == [
+      "7 of its 10 files gone ('doc3.txt', 'doc4.txt', 'doc5.txt', ...)"]
+
+
+def test_without_config_json_another_recipe_is_refused(tmp_path, trained):
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  os.remove(workdir / "config.json")
+  with pytest.raises(errors.UserError, match=r"from its checkpoint: "
+                     r"quant.name: 'bf16' -> 'fp8'"):
+    trainer.train(tiny_config(**STEPS, **{"quant.name": "fp8"}), str(workdir))
+  assert not (workdir / "lock").exists()
+
+
+class _SaveFails:
+  """orbax's write of a checkpoint's JSON item fails with ENOSPC (in the
+  background for asynchronous saves); `failed` is set when it has."""
+
+  def __init__(self, monkeypatch):
+    self.failed = threading.Event()
+
+    async def save_fn(handler, x, directory):
+      del handler, x
+      self.failed.set()
+      raise OSError(errno.ENOSPC, "No space left on device",
+                    str(directory / "metadata"))
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "_save_fn", save_fn)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_at_a_checkpoint_trains_no_further_step(
+    tmp_path, trained, monkeypatch, async_save):
+  """The save of step 4 fails: DiskFull names the checkpoint directory, and
+  no step starts once the failure is known (async: at the latest, the
+  callback of step 5 waits for it, so step 6 would be the first after it)."""
+  del trained
+  fails = _SaveFails(monkeypatch)
+  trained_steps = []
+
+  def callback(step, state, batch):
+    del state, batch
+    trained_steps.append(step)
+    if step == 5 and async_save:
+      assert fails.failed.wait(60)
+      time.sleep(1.0)  # the background thread records its error
+
+  with pytest.raises(errors.DiskFull, match=r"no space left on the disk of "
+                     r".*checkpoints'.*needs about"):
+    trainer.train(tiny_config(async_checkpointing=async_save),
+                  str(tmp_path / "run"), callbacks=[callback])
+  assert trained_steps in ([1, 2, 3, 4], [1, 2, 3, 4, 5][:5 if async_save
+                                                         else 4])
+  assert not (tmp_path / "run" / "lock").exists()
+  assert checkpointing.committed_steps(tmp_path / "run" / "checkpoints") == []
+
+
+def test_a_run_that_stopped_learning_says_so(tmp_path, trained, monkeypatch,
+                                             capsys):
+  del trained
+  monkeypatch.setattr(stall, "WINDOW", 3)
+  monkeypatch.setattr(stall, "TOLERANCE", 100.0)  # every loss is "uniform"
+  summary = trainer.train(tiny_config(**STEPS), str(tmp_path / "run"))
+  assert summary["status"] == "stalled", summary
+  assert "stopped learning" in summary["message"] and "steps 3-5" in (
+      summary["message"])  # warm-up: 2 steps
+  assert json.loads((tmp_path / "run" / "summary.json").read_text())[
+      "status"] == "stalled"
+  assert capsys.readouterr().err.count("warning: the run stopped learning") == 1
