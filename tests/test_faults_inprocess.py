@@ -550,3 +550,10 @@ def test_a_run_that_stopped_learning_says_so(tmp_path, trained, monkeypatch,
   assert json.loads((tmp_path / "run" / "summary.json").read_text())[
       "status"] == "stalled"
   assert capsys.readouterr().err.count("warning: the run stopped learning") == 1
+
+
+def test_a_workdir_that_is_a_dangling_symlink_is_named(tmp_path):
+  os.symlink(tmp_path / "gone", tmp_path / "run")
+  with pytest.raises(errors.UserError, match=r"symbolic link to '.*gone', "
+                     "which does not exist"):
+    workdir_lib.prepare(str(tmp_path / "run"))

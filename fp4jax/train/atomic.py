@@ -60,11 +60,18 @@ def write_text(path, text):
   fsync_dir(directory)
 
 
-def umask():
-  """The process umask (read without changing it)."""
+def _read_umask():
   mask = os.umask(0)
   os.umask(mask)
   return mask
+
+
+_UMASK = _read_umask()  # at import: setting it later races with threads
+
+
+def umask():
+  """The process umask (as it was when this module was imported)."""
+  return _UMASK
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
