@@ -13,10 +13,15 @@ Rerunning a workdir resumes it; only the keys in fp4jax.train.workdir.RESUMABLE_
 (steps, eval/log/checkpoint cadence, target_eval_loss, max_bad_steps, mesh,
 ...) may differ from its config.json, unless --override_resume is given.
 
+Rerunning also checks that the training files (their names and sizes) are
+the ones the checkpoint's data position was saved with; --override_resume
+accepts other files too. Both overrides are recorded under history/.
+
 Exit status: 0 when the run completed, reached its target or was stopped by
 a signal in the training loop (after saving a checkpoint); 1 when it
-diverged; 2 on a user error (config, data, workdir: one line naming it);
-130 / 143 for SIGINT / SIGTERM during start-up, before the loop.
+diverged, or ran to the end but stopped learning (status "stalled"); 2 on a
+user error (config, data, workdir, a full disk: one line naming it); 130 /
+143 for SIGINT / SIGTERM during start-up, before the loop.
 """
 
 import sys
@@ -42,8 +47,9 @@ _WORKDIR = flags.DEFINE_string(
 _OVERRIDE_RESUME = flags.DEFINE_bool(
     "override_resume", False,
     "Resume a workdir even though keys other than fp4jax.train.workdir."
-    "RESUMABLE_KEYS differ from its config.json (its checkpoints must still "
-    "fit the model); the previous config.json is kept under history/.")
+    "RESUMABLE_KEYS differ from the config it was run with (its checkpoints "
+    "must still fit the model), or its training files changed; what changed "
+    "and the previous config.json are kept under history/.")
 
 
 def main(argv):
@@ -56,7 +62,7 @@ def main(argv):
                             override_resume=_OVERRIDE_RESUME.value)
   except errors.UserError as e:
     return errors.report("train.py", e)
-  return 1 if summary["status"] == "diverged" else 0
+  return 1 if summary["status"] in ("diverged", "stalled") else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,14 @@ and the previous one is tried, so a run killed while writing, or a damaged
 disk, costs at most one checkpoint interval. A readable checkpoint whose
 arrays do not fit the requested state (another model shape or optimizer) is
 not corrupt: `CheckpointMismatch` is raised and it stays where it is.
+
+A save that fails for lack of space, at once or (asynchronous saves) in the
+background, raises errors.DiskFull naming the directory and the size of the
+state, from `save`, `check` (which a training loop calls before each step,
+so that no step runs after a failed save) or `wait`. The uncommitted step's
+temporary folder is removed (freeing its space), so the previous checkpoints
+are what a rerun resumes; orbax's own log records of the failure, tracebacks
+included, are dropped (the DiskFull line says it).
 """
 
 import asyncio
@@ -24,6 +32,19 @@ from orbax.checkpoint._src import asyncio_utils
 from fp4jax import errors
 
 _ITEMS = ("state", "data")
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+class _DropDiskFullLogs(logging.Filter):
+  """Drops log records of an ENOSPC (reported as one DiskFull line)."""
+
+  def filter(self, record):
+    error = record.exc_info[1] if record.exc_info else None
+    return not (errors.is_disk_full(error)
+                or "No space left on device" in record.getMessage())
+
+
+_DISK_FULL_LOGS = _DropDiskFullLogs()
 
 
 @contextlib.contextmanager
@@ -131,6 +152,9 @@ class Checkpoints:
 
   def __init__(self, directory, *, keep, async_save=True):
     self.directory = os.path.abspath(directory)
+    self._nbytes = None  # of the last state saved
+    self._pending = False  # an asynchronous save not yet checked
+    logging.getLogger("absl").addFilter(_DISK_FULL_LOGS)  # orbax logs there
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(keep),
         enable_async_checkpointing=async_save,
@@ -149,16 +173,43 @@ class Checkpoints:
     """Starts saving `state` and the iterator's `data_state` as `step`.
 
     A step already on disk is left as it is (a resumed run that ends where it
-    started saves nothing new).
+    started saves nothing new). errors.DiskFull if this or an earlier
+    asynchronous save ran out of space.
     """
     if step in self._manager.all_steps():
       return
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(data_state)),
-        force=True)
+    self._nbytes = sum(x.nbytes for x in jax.tree.leaves(state)
+                       if hasattr(x, "nbytes"))
+    with self._saving():
+      self._manager.save(
+          step,
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              data=ocp.args.JsonSave(data_state)),
+          force=True)
+    self._pending = True
+
+  @contextlib.contextmanager
+  def _saving(self):
+    """Around orbax's saves: a failed write stops the others it started
+    (_failed_reads_stopped: no "Event loop is closed" tracebacks), and an
+    error that is ENOSPC becomes DiskFull."""
+    try:
+      with _failed_reads_stopped():
+        yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not errors.is_disk_full(e):
+        raise
+      for name in os.listdir(self.directory):
+        if _TMP_SUFFIX in name:  # the failed step's, never committed
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      raise errors.disk_full(self.directory, self._nbytes) from None
+
+  def check(self):
+    """Raises the error (errors.DiskFull for ENOSPC) of an asynchronous save
+    that has failed; returns at once while it is still running."""
+    if self._pending and not self._manager.is_saving_in_progress():
+      self.wait()
 
   def restore_latest(self, abstract_state):
     """Returns (step, state, data_state) of the newest readable checkpoint.
@@ -222,7 +273,9 @@ class Checkpoints:
 
   def wait(self):
     """Blocks until pending asynchronous saves are committed."""
-    self._manager.wait_until_finished()
+    self._pending = False
+    with self._saving():
+      self._manager.wait_until_finished()
 
   def close(self):
     self._manager.close()

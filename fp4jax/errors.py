@@ -5,6 +5,12 @@ use) is a `UserError`: the programs print it as one line, `PROG: message`,
 and exit with status 2; a traceback means a bug. `did_you_mean` adds the
 "did you mean" hint to an unknown name.
 
+A full disk is a `DiskFull` (also a UserError, so exit status 2): one line
+naming the path that could not be written, the space the write needed and
+the space free there (`disk_full`); `is_disk_full` recognises ENOSPC in an
+error or anything it wraps (orbax and tensorstore wrap it in their own
+exceptions).
+
 `exit_on_signals(prog)` makes SIGINT / SIGTERM during start-up (imports,
 compilation, restoring a checkpoint: before the training loop installs its
 own handlers, which save a checkpoint) print one line and end the process at
@@ -17,7 +23,9 @@ install the handlers before its heavy imports.
 """
 
 import difflib
+import errno
 import os
+import shutil
 import signal
 import sys
 
@@ -26,6 +34,44 @@ _CLEANUPS = []
 
 class UserError(ValueError):
   """A mistake in what the user gave (reported as one line, exit status 2)."""
+
+
+class DiskFull(UserError):
+  """A write failed for lack of space (ENOSPC); nothing was half-written."""
+
+
+def _size(nbytes):
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.1f} {unit}"
+  return f"{int(nbytes)} bytes"
+
+
+def disk_full(path, needed):
+  """DiskFull for a write of `needed` bytes (None: unknown) to `path`."""
+  directory = path
+  while directory and not os.path.isdir(directory):
+    directory = os.path.dirname(directory)
+  try:
+    free = _size(shutil.disk_usage(directory or ".").free) + " free"
+  except OSError:
+    free = "free space unknown"
+  need = f"needs about {_size(needed)}" if needed else "needs more space"
+  return DiskFull(f"no space left on the disk of {path!r}: the write {need} "
+                  f"({free}); free some space or use another disk, then run "
+                  "again (nothing written was kept half-done).")
+
+
+def is_disk_full(error):
+  """True if `error`, or an error it was raised from, is ENOSPC."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if getattr(error, "errno", None) == errno.ENOSPC or (
+        "No space left on device" in str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
 
 
 def did_you_mean(name, allowed, prefix=""):

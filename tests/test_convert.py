@@ -269,7 +269,8 @@ def test_sharded_export_with_index_and_bfloat16(run, tmp_path):
   run_dir, cfg, params, _ = run
   out = str(tmp_path / "sharded")
   export.export(run_dir, out)  # overwritten below, stale files removed
-  lines = export.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4)
+  lines = export.export(run_dir, out, dtype="bfloat16", max_shard_gb=2e-4,
+                        overwrite=True)
   files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
   assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}" \
       ".safetensors" and "in %d file(s)" % len(files) in lines[0]

@@ -372,7 +372,9 @@ def test_a_committed_workdir_still_passes_the_resume_check(tmp_path):
       cli.load_config_file(os.path.join(ROOT, "configs", "ablation_tiny.py")),
       "bf16", seed=0)
   assert "nan_steps" not in config
-  assert workdir_lib.check_resume_config(str(tmp_path), config) == []
+  # The same config resolves to the same model and recipe as saved.
+  assert workdir_lib.check_resume_config(str(tmp_path), config,
+                                         saved["resolved"]) == []
 
 
 # ------------------------------------------------------------- bad config

@@ -56,6 +56,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from fp4jax.data import identity as identity_lib
 from fp4jax.data.files import DataError
 from fp4jax.data.files import Replacements
 from fp4jax.data.files import check_json_files
@@ -270,13 +271,17 @@ class _PackIterator(grain.DatasetIterator):
 class BatchIterator:
   """Endless (or, for validation, in-order) batches int32[rows, seq_len + 1].
 
-  `get_state()` returns a JSON-serialisable dict; `set_state` restores it
-  into an iterator built with the same arguments.
+  `get_state()` returns a JSON-serialisable dict (with "data", the identity
+  of the files read: fp4jax.data.identity); `set_state` restores it into an
+  iterator built with the same arguments, and raises identity.DataChanged
+  for a state saved with other files unless `other_data` (a state without
+  "data", from before it was kept, is taken as it is).
   """
 
-  def __init__(self, row_iterators, first_row, global_batch):
+  def __init__(self, row_iterators, first_row, global_batch, identity):
     self._rows = row_iterators
     self._key = dict(first_row=first_row, global_batch=global_batch)
+    self.identity = identity
 
   def __iter__(self):
     return self
@@ -291,9 +296,14 @@ class BatchIterator:
       raise
 
   def get_state(self):
-    return dict(self._key, rows=[r.get_state() for r in self._rows])
+    return dict(self._key, rows=[r.get_state() for r in self._rows],
+                data=self.identity)
 
-  def set_state(self, state):
+  def set_state(self, state, other_data=False):
+    changed = identity_lib.changes(state.get("data", self.identity),
+                                   self.identity)
+    if changed and not other_data:
+      raise identity_lib.DataChanged(changed)
     given = {k: state.get(k) for k in self._key}
     if given != self._key or len(state["rows"]) != len(self._rows):
       raise ValueError(f"data iterator state for {given} with "
@@ -325,8 +335,9 @@ def _glob(pattern, what):
 def _corpus(cfg, split):
   """The documents (str) of split "train" or "validation".
 
-  Returns a grain.MapDataset (random access) or a function
-  (seed, rows, global_batch) -> _JsonLinesReader (streamed).
+  Returns (a grain.MapDataset (random access) or a function
+  (seed, rows, global_batch) -> _JsonLinesReader (streamed), the identity
+  of what it reads: fp4jax.data.identity).
   """
   validation = split == "validation"
   if cfg.source == "stdlib" and (cfg.path or cfg.val_path):
@@ -340,7 +351,8 @@ def _corpus(cfg, split):
       raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
                        f"files (data.val_fraction={cfg.val_fraction}).")
     return grain.MapDataset.source(rels).map(
-        lambda rel: read_text(os.path.join(root, rel)))
+        lambda rel: read_text(os.path.join(root, rel))), identity_lib.of_files(
+            "stdlib", [os.path.join(root, rel) for rel in rels], rels)
   if cfg.source == "files":
     if not cfg.path:
       raise ValueError("data.source='files' needs data.path, a glob such as "
@@ -352,16 +364,18 @@ def _corpus(cfg, split):
     files, rels = _glob(pattern, what)
     wanted = validation if by_hash else None
     if files[0].endswith(TEXT_SUFFIXES):
-      chosen = [f for f, r in zip(files, rels) if wanted is None
+      chosen = [(f, r) for f, r in zip(files, rels) if wanted is None
                 or _in_validation(r, cfg.val_fraction) == wanted]
       if not chosen:
         raise ValueError(f"{what} {pattern!r}: none of its {len(files)} "
                          f"files falls in {split} (data.val_fraction="
                          f"{cfg.val_fraction}); add files or set "
                          "data.val_path.")
+      chosen, chosen_rels = [f for f, _ in chosen], [r for _, r in chosen]
       check_text_files(chosen)
       return grain.MapDataset.source(chosen).map(
-          lambda path: read_text(path, decode_errors))
+          lambda path: read_text(path, decode_errors)), identity_lib.of_files(
+              "files", chosen, chosen_rels)
     check_json_files(files, cfg.text_key, decode_errors)
     fraction = cfg.val_fraction
 
@@ -369,9 +383,9 @@ def _corpus(cfg, split):
       return wanted is None or _in_validation(f"{rel}:{line}",
                                               fraction) == wanted
 
-    return lambda seed, rows, global_batch: _JsonLinesReader(
+    return (lambda seed, rows, global_batch: _JsonLinesReader(
         files, rels, cfg.text_key, keep, seed, rows, global_batch,
-        decode_errors)
+        decode_errors)), identity_lib.of_files("files", files, rels)
   if cfg.source == "tfds":
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -394,7 +408,8 @@ def _corpus(cfg, split):
           "--file_format=array_record --data_dir=DIR`.") from e
     text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
     return grain.MapDataset.source(source).map(
-        lambda record: text_of(record, cfg.text_key, cfg.path))
+        lambda record: text_of(record, cfg.text_key, cfg.path)), dict(
+            source="tfds", name=cfg.path, split=name, records=len(source))
   raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
                    f"{SOURCES}.")
 
@@ -416,7 +431,7 @@ def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
     raise ValueError(f"seq_len ({seq_len}) and the batch size "
                      f"({global_batch}) must be positive.")
   _check_process_split(global_batch, process_index, process_count)
-  corpus = _corpus(cfg, split)
+  corpus, identity = _corpus(cfg, split)
   bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
 
   def tokens(text):
@@ -435,7 +450,7 @@ def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
     reader = corpus(shuffle_seed, rows, global_batch)
     texts = [_JsonLinesRow(reader, r) for r in rows]
   return BatchIterator([_PackIterator(t, tokens, seq_len + 1) for t in texts],
-                       first, global_batch)
+                       first, global_batch, identity)
 
 
 def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
@@ -468,7 +483,7 @@ def _validation_stream(cfg, tokenizer, max_tokens):
   Stops after `max_tokens` tokens or at the end of the split, whichever
   comes first (the split is read once, never repeated).
   """
-  corpus = _corpus(cfg, "validation")
+  corpus, _ = _corpus(cfg, "validation")
   if isinstance(corpus, grain.MapDataset):
     texts = (corpus[i] for i in range(len(corpus)))
   else:

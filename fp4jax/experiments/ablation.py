@@ -55,6 +55,7 @@ import ml_collections
 from ml_collections import config_dict
 from ml_collections import config_flags
 
+from fp4jax.train import atomic
 from fp4jax.train import cli
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
@@ -173,8 +174,7 @@ def _add_wall(path, seconds):
   if os.path.exists(file):
     with open(file) as f:
       total = json.load(f)["wall_s"]
-  with open(file, "w") as f:
-    json.dump({"wall_s": total + seconds}, f)
+  atomic.write_text(file, json.dumps({"wall_s": total + seconds}))
 
 
 def run_ablation(config, workdir) -> list:
@@ -186,8 +186,8 @@ def run_ablation(config, workdir) -> list:
   counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
   workdir_lib.prepare(workdir)
-  with open(os.path.join(workdir, "ablation_config.json"), "w") as f:
-    f.write(config.to_json(indent=2))
+  atomic.write_text(os.path.join(workdir, "ablation_config.json"),
+                    config.to_json(indent=2))
   if config.ablation.compilation_cache:
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.ablation.compilation_cache))

@@ -68,10 +68,14 @@ def run_dir(workdir, recipe, seed, n_seeds):
 
 
 def _read_json(path):
+  """The JSON in `path` (None when missing); UserError when damaged."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except ValueError as e:
+    raise errors.UserError(f"{path} is damaged ({e}); repair or delete it") from None
 
 
 def load_run(path, recipe, seed) -> Run | None:
@@ -391,6 +395,11 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
                  zoom=0.5, window=None, target_at=1.0, margin=0.01, late_from=0.5):
   """Writes table.md, curves.png, diagnostics.png, snr.png and <run>/diagnostics.png; returns rows."""
   runs = load_runs(workdir, recipes)
+  if not runs and os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+    parent = os.path.dirname(os.path.abspath(workdir))
+    raise errors.UserError(
+        f"{workdir!r} is the folder of one run (it holds metrics.jsonl); give "
+        f"the folder that holds the runs, e.g. {parent!r}")
   if not runs:
     raise errors.UserError(f"no runs with metrics.jsonl under {workdir!r}")
   note = target_note(baseline, target is not None, target_at)

@@ -1,7 +1,7 @@
 """Export an fp4jax run as a Hugging Face Llama directory (CLI).
 
   python -m fp4jax.convert export RUN_DIR OUT_DIR [--step N] \\
-      [--dtype float32|bfloat16] [--max_shard_gb 5]
+      [--dtype float32|bfloat16] [--max_shard_gb 5] [--overwrite]
 
 writes a directory that `transformers.AutoModelForCausalLM.from_pretrained`
 loads as a `LlamaForCausalLM` (no custom code): config.json, the weights as
@@ -11,13 +11,18 @@ a Hugging Face tokenizer's files are copied, fp4jax's byte tokenizer is
 written as a byte-level tokenizer.json with the same ids. The names and
 layouts are those of fp4jax.llama.hf; the other way is
 `--config.init_from` (fp4jax.train.init_from). Bad input: one line, exit code 2.
+
+The export is written into OUT_DIR.partial beside OUT_DIR and renamed to
+OUT_DIR once complete, so a killed export leaves no OUT_DIR (only the
+.partial folder, removed by the next export). An existing OUT_DIR is refused
+unless --overwrite, which replaces it only then, in one atomic exchange; a
+full disk removes the partial folder and names the space needed (exit 2).
 """
 
 import argparse
 import json
 import math
 import os
-import re
 import shutil
 import sys
 
@@ -27,6 +32,8 @@ import numpy as np
 import safetensors.numpy
 
 from fp4jax import checkpointing
+from fp4jax import errors
+from fp4jax.train import atomic
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import abstract_params
 from fp4jax.llama.hf import ConvertError
@@ -189,10 +196,6 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes):
   `max_bytes` each (one tensor may exceed it) with model.safetensors.index.json.
   Returns (number of files, bytes of tensor data).
   """
-  for name in os.listdir(out_dir):  # a previous export's weights
-    if name == INDEX_FILE or re.fullmatch(
-        r"model(-\d{5}-of-\d{5})?\.safetensors", name):
-      os.remove(os.path.join(out_dir, name))
   files = _shards(tensor_table(cfg), cfg, dtype, max_bytes)
   names = ([SINGLE_FILE] if len(files) == 1 else
            [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -210,7 +213,7 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes):
       total += tensors[name].nbytes
     target = os.path.join(out_dir, file_name)
     safetensors.numpy.save_file(tensors, target, metadata={"format": "pt"})
-    os.chmod(target, 0o666 & ~_umask())  # safetensors writes 0600
+    os.chmod(target, 0o666 & ~atomic.umask())  # safetensors writes 0600
   if len(files) > 1:
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -218,22 +221,62 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes):
   return len(files), total
 
 
-def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
+def _check_target(out_dir, overwrite):
+  """ConvertError if `out_dir` is a file, or an export to keep (no --overwrite)."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise ConvertError(f"OUT_DIR {out_dir!r} is a file, not a folder; give "
+                       "the folder to write the export into (it is created)")
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    raise ConvertError(f"OUT_DIR {out_dir!r} exists and is not empty; pass "
+                       "--overwrite to replace it (once the new export is "
+                       "complete) or give another folder")
+
+
+def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
+           overwrite=False):
   """Writes the run's checkpoint `step` (default newest) as a HF Llama.
 
+  Written into `out_dir`.partial and renamed to `out_dir` when complete; an
+  existing `out_dir` is refused unless `overwrite` (see the module doc).
   Returns the lines of a short report (files written, tokenizer).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
   if not max_shard_gb > 0:
     raise ConvertError(f"--max_shard_gb must be > 0, got {max_shard_gb}")
+  out_dir = os.path.normpath(out_dir)
+  _check_target(out_dir, overwrite)
   config, cfg = run_config(run_dir)
   step = run_step(run_dir, step)
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   tok = _run_tokenizer(tokenizer)
-  os.makedirs(out_dir, exist_ok=True)
+  partial = out_dir + ".partial"
+  if os.path.isdir(partial):
+    shutil.rmtree(partial)  # left by a killed export
+  try:
+    os.makedirs(partial)
+    n_files, total, tokenizer_line = _write_export(
+        partial, config, cfg, params, tokenizer, tok, dtype, max_shard_gb)
+    atomic.replace_dir(partial, out_dir)
+  except BaseException as e:
+    if os.path.isdir(partial):
+      shutil.rmtree(partial, ignore_errors=True)
+    if isinstance(e, Exception) and errors.is_disk_full(e):
+      needed = sum(math.prod(s) for s in param_shapes(cfg).values())
+      raise errors.disk_full(out_dir, needed * np.dtype(
+          EXPORT_DTYPES[dtype]).itemsize) from None
+    raise
+  return [f"wrote {out_dir}: step {step} of {run_dir}, "
+          f"{len(tensor_table(cfg))} tensors, "
+          f"{total:,} bytes ({dtype}) in {n_files} file(s)", tokenizer_line]
+
+
+def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
+                  max_shard_gb):
+  """Writes weights, config.json and tokenizer into `out_dir`; returns
+  (number of weight files, bytes of tensor data, the tokenizer's line)."""
   n_files, total = write_weights(params, cfg, out_dir, EXPORT_DTYPES[dtype],
                                  max_shard_gb * 1e9)
   # The context RoPE scaling extends to (or the run's, when longer).
@@ -243,16 +286,8 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0):
                  max_positions=max_positions)
   with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
-  return [f"wrote {out_dir}: step {step} of {run_dir}, "
-          f"{len(tensor_table(cfg))} tensors, "
-          f"{total:,} bytes ({dtype}) in {n_files} file(s)",
-          _write_tokenizer(tokenizer, tok, out_dir, max_positions)]
-
-
-def _umask():
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
+  return n_files, total, _write_tokenizer(tokenizer, tok, out_dir,
+                                          max_positions)
 
 
 def _run_tokenizer(tokenizer):
@@ -277,11 +312,15 @@ def main(argv=None):
                    help="weight dtype (float32: the master weights exactly)")
   exp.add_argument("--max_shard_gb", type=float, default=5.0,
                    help="largest safetensors file before sharding, in GB")
+  exp.add_argument("--overwrite", action="store_true",
+                   help="replace an existing OUT_DIR (once the new export "
+                   "is complete)")
   args = parser.parse_args(argv)
   try:
     lines = export(args.run_dir, args.out_dir, step=args.step,
-                   dtype=args.dtype, max_shard_gb=args.max_shard_gb)
-  except (ConvertError, OSError) as e:
+                   dtype=args.dtype, max_shard_gb=args.max_shard_gb,
+                   overwrite=args.overwrite)
+  except (ConvertError, errors.UserError, OSError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
   print("\n".join(lines))

@@ -2,34 +2,63 @@
 
 Only process 0 writes (`enabled=False` elsewhere). metrics.jsonl holds one
 JSON object per logged step; non-finite floats are written as NaN/Infinity
-(Python's json reads them back).
+(Python's json reads them back). `read_metrics` is the one reader of it
+(trainer, plot, report): it skips a half-written last line, which a run in
+progress or a killed one leaves, and names any other damaged line.
 """
 
+import errno
 import json
 import math
 import os
 import sys
 import time
 
+from fp4jax import errors
+from fp4jax.train import atomic
+
+
+class MetricsError(errors.UserError):
+  """A line of metrics.jsonl other than the last one is not a JSON row."""
+
 
 def read_metrics(workdir):
-  """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts."""
+  """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts.
+
+  A last line that does not parse (being written, or cut by a kill) is
+  skipped; MetricsError names any other line that does not.
+  """
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [(i + 1, line) for i, line in enumerate(f) if line.strip()]
+  rows = []
+  for k, (number, line) in enumerate(lines):
+    try:
+      row = json.loads(line)
+    except ValueError as e:
+      if k == len(lines) - 1:
+        break
+      raise MetricsError(f"{path} line {number} is not a JSON row ({e}); "
+                         "repair or delete that line") from None
+    rows.append(row)
+  return rows
 
 
 def _truncate_after(path, step):
-  """Drops rows with row["step"] > step (left by a run killed after `step`)."""
+  """Drops rows with row["step"] > step (left by a run killed after `step`).
+
+  Rewrites the file (atomically) only when a row is dropped.
+  """
   if not os.path.exists(path):
     return
   with open(path) as f:
-    rows = [line for line in f if line.strip()]
+    text = f.read()
+  rows = [line + "\n" for line in text.splitlines() if line.strip()]
   kept = [line for line in rows if row_step(line) <= step]
-  with open(path, "w") as f:
-    f.writelines(kept)
+  if len(kept) < len(rows) or "".join(kept) != text:
+    atomic.write_text(path, "".join(kept))
 
 
 def row_step(line):
@@ -38,6 +67,22 @@ def row_step(line):
     return json.loads(line)["step"]
   except (ValueError, KeyError, TypeError):
     return math.inf
+
+
+def _append(path, line):
+  """Appends `line`; on a full disk, cuts the file back to its old end (no
+  half row) and raises errors.DiskFull."""
+  size = os.path.getsize(path) if os.path.exists(path) else 0
+  try:
+    with open(path, "a") as f:
+      f.write(line)
+      f.flush()
+  except OSError as e:
+    if e.errno != errno.ENOSPC:
+      raise
+    with open(path, "r+") as f:
+      f.truncate(size)
+    raise errors.disk_full(path, len(line)) from None
 
 
 def _tensorboard_writer(logdir):
@@ -72,8 +117,7 @@ class MetricsLog:
     """Appends one row (a dict with at least "step") and shows progress."""
     if not self.enabled:
       return
-    with open(self._path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    _append(self._path, json.dumps(row) + "\n")
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)):

@@ -24,15 +24,13 @@ from fp4jax.train.metrics_log import read_metrics
 def eval_curve(workdir):
   """(tokens, eval_loss) lists of a run, in step order (non-finite kept).
 
-  UserError when `workdir` is not a directory or has no evaluated rows.
+  UserError when `workdir` is not a directory, has no evaluated rows or a
+  damaged row (a half-written last row, of a run in progress, is skipped).
   """
   if not os.path.isdir(workdir):
     raise errors.UserError(f"run directory {workdir!r} does not exist; give "
                            "workdirs written by train.py")
-  try:
-    rows = [r for r in read_metrics(workdir) if r.get("eval_loss") is not None]
-  except ValueError as e:
-    raise errors.UserError(f"{workdir}/metrics.jsonl is damaged ({e})") from None
+  rows = [r for r in read_metrics(workdir) if r.get("eval_loss") is not None]
   if not rows:
     raise errors.UserError(f"{workdir}: no metrics.jsonl rows with an "
                            "eval_loss")

@@ -41,8 +41,11 @@ from fp4jax.data import tokenizers
 from fp4jax.train import init_from
 from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
+from fp4jax import errors
 from fp4jax import schedule
 from fp4jax import sharding
+from fp4jax.data import identity
+from fp4jax.train import stall
 from fp4jax.train import step as train_step
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.checkpointing import Checkpoints
@@ -145,7 +148,8 @@ class _SaveOnError:
     return self
 
   def __exit__(self, kind, error, traceback):
-    if not isinstance(error, Exception) or self._state is None:
+    if (not isinstance(error, Exception) or self._state is None
+        or isinstance(error, errors.DiskFull)):  # a save would fail again
       return False
     if jax.process_count() > 1:  # saving needs every process: not on one's error
       return False
@@ -252,14 +256,34 @@ def _replicated(x, mesh):
   return jax.make_array_from_callback(x.shape, spec, lambda index: x[index])
 
 
-def _restore_data_state(batches, saved):
+def _restore_data_state(batches, saved, step, workdir, override):
+  """Puts the checkpoint's data position (at `step`) into `batches`.
+
+  A position saved for other training files is refused (ConfigError naming
+  what changed) unless `override`, which takes it on the files now there and
+  records that in history/ (fp4jax.data.identity).
+  """
   states = saved["processes"]
   if len(states) != jax.process_count():
     raise ConfigError(
         f"the checkpoint's data iterator was saved by {len(states)} "
         f"processes; resuming it with {jax.process_count()} is not supported")
+  state = states[jax.process_index()]
   try:
-    batches.set_state(states[jax.process_index()])
+    batches.set_state(state)
+  except identity.DataChanged as e:
+    if not override:
+      raise ConfigError(
+          f"the training data changed since the checkpoint at step {step} "
+          f"was saved: {e}; its data position is only meaningful for the "
+          "files it was saved with. Restore them, use a new workdir, or pass "
+          "--override_resume to continue from that position on these "
+          "files.") from None
+    batches.set_state(state, other_data=True)
+    if sharding.is_main_process():
+      dst = workdir_lib.record_override(workdir, {"data": str(e)})
+      print(f"fp4jax: resuming on changed training data ({e}) (override); "
+            f"recorded in {dst}", file=sys.stderr, flush=True)
   except ValueError as e:
     raise ConfigError(f"cannot resume the checkpoint's data position: {e}"
                       " (was batch_size or the data changed?)") from None
@@ -296,14 +320,18 @@ def train(config, workdir, callbacks=(), *, override_resume=False,
   dict is merged into that step's metrics.jsonl row, which is then written.
 
   summary["status"]: "completed", "target_reached", "interrupted" (a signal;
-  a checkpoint was saved) or "diverged" (max_bad_steps non-finite steps in a
-  row; the last good checkpoint is kept).
+  a checkpoint was saved), "diverged" (max_bad_steps non-finite steps in a
+  row; the last good checkpoint is kept) or "stalled" (it ran to the end but
+  stopped learning: fp4jax.train.stall; warned in the log when found).
 
   The workdir is locked for the run. A workdir that holds a run of a config
   differing in a key outside workdir.RESUMABLE_KEYS is refused (WorkdirError)
-  unless `override_resume`, which continues it with the new values. User
-  errors (config, data, workdir, a checkpoint that does not fit) raise
-  fp4jax.errors.UserError subclasses with a one-line message.
+  unless `override_resume`, which continues it with the new values; so is a
+  checkpoint whose data position was saved for other training files
+  (fp4jax.data.identity), which `override_resume` continues on the files
+  there (both recorded in history/). User errors (config, data, workdir, a
+  checkpoint that does not fit, a full disk) raise fp4jax.errors.UserError
+  subclasses with a one-line message.
 
   nan_steps: a test hook, the steps (from 1) whose loss is made NaN.
   """
@@ -312,9 +340,11 @@ def train(config, workdir, callbacks=(), *, override_resume=False,
   workdir_lib.prepare(workdir)
   lock = workdir_lib.WorkdirLock(workdir).acquire()
   try:
-    workdir_lib.check_resume_config(workdir, config, override=override_resume)
+    workdir_lib.check_resume_config(workdir, config, dict(
+        model=dataclasses.asdict(model_cfg),
+        recipe=segs[0].recipe.to_config().to_dict()), override=override_resume)
     return _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
-                batches, val_local, nan_steps)
+                batches, val_local, nan_steps, override_resume)
   finally:
     lock.release()
 
@@ -329,6 +359,7 @@ class _Outcome:
   eval_loss: Any = None      # the last evaluation's, at eval_step
   eval_step: Any = None
   target_tokens: Any = None  # tokens when target_eval_loss was reached
+  stall: Any = None          # stall.StallWatch of the steps so far
 
 
 @dataclasses.dataclass
@@ -379,7 +410,7 @@ class _Run:
 
 
 def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
-         batches, val_local, nan_steps):
+         batches, val_local, nan_steps, override_resume):
   """train() once the config is checked and the workdir locked."""
   init_source = init_from.open_source(config.init_from, model_cfg)
   main = sharding.is_main_process()
@@ -392,15 +423,18 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                       keep=config.keep_checkpoints,
                       async_save=config.async_checkpointing)
   state, controller = _first_state(config, model_cfg, segment_programs[0],
-                                   ckpts, batches, init_source)
-  checkpoint_data = functools.partial(_checkpoint_data, batches, controller)
+                                   ckpts, batches, init_source, workdir,
+                                   override_resume)
   start = int(state.step)
   if main:
     workdir_lib.set_aside_history(workdir, start)
   n_params = sum(math.prod(x.shape) for x in
                  jax.tree.leaves(abstract.params))
+  resolved = _resolved_config(config, model_cfg, segs, mesh, n_params, start)
   if main:
-    _write_config(workdir, config, model_cfg, segs, mesh, n_params, start)
+    workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
+  checkpoint_data = functools.partial(_checkpoint_data, batches, controller,
+                                      resolved)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
         f"{segs[0].recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
@@ -408,7 +442,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   val_batches = [sharding.global_batch(b, mesh) for b in val_local]
   log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
                    enabled=main)
-  out, timer = _Outcome(step=start), _Timer()
+  out, timer = _Outcome(step=start, stall=stall.StallWatch(
+      model_cfg.vocab_size, after_step=config.warmup_steps)), _Timer()
   with (sharding.use_mesh(mesh), _StopSignals() as signals,
         _SaveOnError(ckpts, checkpoint_data) as on_error):
     run = _Run(config=config, segs=segs, mesh=mesh, batches=batches,
@@ -427,6 +462,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
     ckpts.wait()
   ckpts.close()
   log.close()
+  if out.status == "completed" and out.stall.found:
+    out.status, out.message = "stalled", f"the run {out.stall.found}"
   summary = _summary(config, out, timer, state, segs[0].recipe, n_params,
                      start, t_start)
   if controller is not None:
@@ -437,11 +474,13 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   return summary
 
 
-def _first_state(config, model_cfg, programs, ckpts, batches, init_source):
+def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
+                 workdir, override_resume):
   """(TrainState, adaptive.Controller or None) to start from.
 
-  The newest readable checkpoint's (which also sets the data position and the
-  controller's decisions), else a fresh init (with init_source's parameters).
+  The newest readable checkpoint's (which also sets the data position, see
+  _restore_data_state, and the controller's decisions), else a fresh init
+  (with init_source's parameters).
   """
   restored = ckpts.restore_latest(programs.abstract)
   if restored is None:
@@ -449,8 +488,8 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source):
     if init_source is not None:
       state = state.replace(params=init_source.load(programs.abstract.params))
   else:
-    _, state, data_state = restored
-    _restore_data_state(batches, data_state)
+    step, state, data_state = restored
+    _restore_data_state(batches, data_state, step, workdir, override_resume)
   controller = None
   if config.adaptive_wgrad.enabled:
     controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed)
@@ -459,16 +498,18 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source):
   return state, controller
 
 
-def _checkpoint_data(batches, controller):
-  """The checkpoint's JSON item: data positions and the adaptive switch's decisions."""
-  out = _data_states(batches)
+def _checkpoint_data(batches, controller, resolved):
+  """The checkpoint's JSON item: data positions, the adaptive switch's
+  decisions and the run's resolved config (what the resume check reads:
+  fp4jax.train.workdir.checkpoint_config)."""
+  out = dict(_data_states(batches), config=resolved)
   if controller is not None:
     out["adaptive_wgrad"] = controller.decisions.state_dict()
   return out
 
 
-def _write_config(workdir, config, model_cfg, segs, mesh, n_params, start):
-  """WORKDIR/config.json: the config and what it resolved to."""
+def _resolved_config(config, model_cfg, segs, mesh, n_params, start):
+  """The config and what it resolved to (config.json; JSON-ready)."""
   resolved = config.to_dict()
   resolved["resolved"] = dict(
       model=dataclasses.asdict(model_cfg),
@@ -476,7 +517,7 @@ def _write_config(workdir, config, model_cfg, segs, mesh, n_params, start):
       n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
       resumed_from_step=start,
       quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
-  workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
+  return json.loads(json.dumps(resolved, default=workdir_lib.json_default))
 
 
 def _loop(run, state, out, timer, signals):
@@ -496,6 +537,7 @@ def _loop(run, state, out, timer, signals):
       out.status = "interrupted"
       out.message = f"stopped by {signals.received} at step {out.step}"
       break
+    run.ckpts.check()  # no step after a failed (background) save
     seg = schedule.segment_index(run.segs, out.step)
     switched = seg > 0 and run.segs[seg].start == out.step
     state, metrics, batch = _advance(run, state, seg, out, timer)
@@ -506,6 +548,9 @@ def _loop(run, state, out, timer, signals):
                skipped_steps=int(metrics["skipped"]))
     extra = _extra(run, seg, switched, out.step, state, batch)
     row.update(extra)
+    warning = out.stall.update(out.step, out.last_loss, row["grad_norm"])
+    if warning and run.main:
+      print(warning, file=sys.stderr, flush=True)
     evaluated = out.step % config.eval_every == 0 or out.step == config.steps
     if evaluated:
       evaluation = _evaluate(run.programs[seg].eval, state.params, run.val_batches)

@@ -6,15 +6,22 @@
   host) is stale and taken over with a message. The processes of one
   multi-host run share the workdir: process 0 takes the lock with a run id it
   broadcasts to the others, who check that the lock holds that id.
-- `check_resume_config`: a workdir belongs to the config in its config.json.
-  Only the keys in RESUMABLE_KEYS may differ when it is run again; any other
-  difference is refused (naming the keys) unless the caller overrides.
+- `check_resume_config`: a workdir belongs to the config its checkpoints
+  carry (config.json for checkpoints from before they carried it). Only the
+  keys in RESUMABLE_KEYS may differ when it is run again; any other
+  difference is refused (naming the keys and the values in effect) unless
+  the caller overrides, which is recorded in history/<n>/resume_override.json.
 - `set_aside_history`: metrics rows a (re)start would drop (all of them for a
   start at step 0; those after the checkpoint's step for a resume) are kept:
   metrics.jsonl, summary.json and config.json are copied to
   WORKDIR/history/<n>/ first, with a message naming it.
+
+Every write to an existing file is atomic (fp4jax.train.atomic), and a full
+disk at any of them is one line (errors.DiskFull) that leaves no lock and no
+partial history/ behind.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -26,7 +33,9 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax.train import atomic
 from fp4jax.train import metrics_log
 
 # Config keys that may differ between the config.json of a workdir and the
@@ -55,21 +64,33 @@ def json_default(x):
 
 
 def write_json(path, obj):
-  """Writes obj as JSON to path atomically (a temporary file, then rename)."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2, default=json_default)
-  os.replace(tmp, path)
+  """Writes obj as JSON to path atomically (fp4jax.train.atomic); a file
+  that already holds exactly that is left alone."""
+  text = json.dumps(obj, indent=2, default=json_default)
+  try:
+    with open(path) as f:
+      if f.read() == text:
+        return
+  except (OSError, UnicodeDecodeError):
+    pass
+  atomic.write_text(path, text)
 
 
 def prepare(workdir):
   """Creates `workdir` if needed; WorkdirError if it is not a writable dir."""
+  if os.path.islink(workdir) and not os.path.exists(workdir):
+    raise WorkdirError(f"workdir {workdir!r} is a symbolic link to "
+                       f"{os.readlink(workdir)!r}, which does not exist; "
+                       "create that directory, or remove the link to have "
+                       "the workdir created here.")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise WorkdirError(f"workdir {workdir!r} is a file, not a directory; "
                        "give a directory (it is created if missing).")
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
+    if e.errno == errno.ENOSPC:
+      raise errors.disk_full(workdir, None) from None
     raise WorkdirError(f"cannot create workdir {workdir!r}: "
                        f"{e.strerror}") from None
   if not os.access(workdir, os.W_OK | os.X_OK):
@@ -135,16 +156,29 @@ class WorkdirLock:
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
 
   def _create(self):
-    for _ in range(2):  # the second try follows a stale lock's removal
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        self._take_over_if_stale()
-        continue
-      with os.fdopen(fd, "w") as f:
+    """Writes the record to a temporary file, then links it as the lock: the
+    lock appears whole or not at all (a full disk or a kill leaves none)."""
+    tmp = f"{self.path}.{os.getpid()}.tmp"
+    try:
+      with open(tmp, "w") as f:
         json.dump(self._record(), f)
-      self._held = True
-      return
+        f.flush()
+        os.fsync(f.fileno())
+      for _ in range(2):  # the second try follows a stale lock's removal
+        try:
+          os.link(tmp, self.path)
+        except FileExistsError:
+          self._take_over_if_stale()
+          continue
+        self._held = True
+        return
+    except OSError as e:
+      if e.errno == errno.ENOSPC:
+        raise errors.disk_full(self.path, None) from None
+      raise
+    finally:
+      if os.path.exists(tmp):
+        os.remove(tmp)
     raise WorkdirError(f"could not take the lock {self.path}")
 
   def _read(self):
@@ -217,54 +251,145 @@ def _resumable(key):
   return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
 
+def _in_effect(flat, resolved):
+  """`flat` with each None placeholder of model.* / quant.* replaced by the
+  value in effect: the preset's, from a "resolved" block (model, recipe)."""
+  known = {f"model.{k}": v for k, v in (resolved.get("model") or {}).items()}
+  known.update(_flat(resolved.get("recipe") or {}, "quant."))
+  return {k: known.get(k) if v is None and k in known else v
+          for k, v in flat.items()}
+
+
 def config_differences(requested, saved):
   """[(key, saved value, requested value)] of the keys that may not change.
 
-  requested, saved: config dicts (saved as read from config.json; its
-  "resolved" block is ignored). Keys only one side has (a key added to or
-  removed from fp4jax since the workdir was written) are not compared.
+  requested, saved: resolved config dicts (as in config.json: the config
+  and its "resolved" block). A key differs when it was given another value
+  and that changes the value in effect (a preset's None placeholder stands
+  for the preset's value, which is what is shown). Keys only one side has
+  (a key added to or removed from fp4jax since the workdir was written) are
+  not compared.
   """
   requested = json.loads(json.dumps(requested, default=json_default))
-  new, old = _flat(requested), _flat(
-      {k: v for k, v in saved.items() if k != "resolved"})
+  new_given = _flat({k: v for k, v in requested.items() if k != "resolved"})
+  old_given = _flat({k: v for k, v in saved.items() if k != "resolved"})
+  new = _in_effect(new_given, requested.get("resolved", {}))
+  old = _in_effect(old_given, saved.get("resolved") or {})
   return [(k, old[k], new[k]) for k in sorted(new.keys() & old.keys())
-          if new[k] != old[k] and not _resumable(k)]
+          if new_given[k] != old_given[k] and new[k] != old[k]
+          and not _resumable(k)]
 
 
-def check_resume_config(workdir, config, *, override=False):
-  """Refuses to continue `workdir` with a config that changes fixed keys.
+def _usable(saved):
+  """True for a config dict as the trainer writes it (not `[]`, not {})."""
+  return (isinstance(saved, dict) and isinstance(saved.get("model"), dict)
+          and isinstance(saved.get("quant"), dict)
+          and isinstance(saved.get("resolved"), dict))
 
-  Returns the differing keys (empty when the workdir has no config.json or
-  nothing fixed differs); WorkdirError unless `override` when there are.
+
+def checkpoint_config(workdir):
+  """The config saved with the newest checkpoint that has one, or None.
+
+  Reads checkpoints/<step>/data/metadata (the checkpoint's JSON item, where
+  the trainer keeps the run's resolved config under "config").
+  """
+  directory = os.path.join(workdir, "checkpoints")
+  for step in reversed(checkpointing.committed_steps(directory)):
+    try:
+      with open(os.path.join(directory, str(step), "data", "metadata")) as f:
+        saved = json.load(f).get("config")
+    except (OSError, ValueError, AttributeError):
+      continue
+    if _usable(saved):
+      return saved
+  return None
+
+
+def _saved_config(workdir):
+  """(the config this workdir's run was started with or None, where from).
+
+  The checkpoint's copy comes first, so the check does not depend on
+  config.json, which a user can lose. WorkdirError when only config.json
+  could tell, but it is missing, damaged or not a config, while there are
+  checkpoints to resume.
   """
   path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
-    return []
+  problem = None
   try:
     with open(path) as f:
-      saved = json.load(f)
+      from_json = json.load(f)
+  except FileNotFoundError:
+    problem = "is missing"
   except (OSError, ValueError) as e:
-    raise WorkdirError(f"{path} cannot be read ({e}); it records the run of "
-                       "this workdir: repair it or use another workdir.") from None
-  diffs = config_differences(config.to_dict(), saved)
+    problem = f"cannot be read ({e})"
+  else:
+    if not _usable(from_json):
+      problem = (f"is not a config written by fp4jax's trainer (it holds a "
+                 f"{type(from_json).__name__})")
+  saved = checkpoint_config(workdir)
+  if saved is not None:
+    if problem is not None and os.path.exists(path):
+      dst = _keep_records(workdir)
+      print(f"fp4jax: {path} {problem}; the checkpoint's copy of the config "
+            f"is used and config.json is written again (the old one is kept "
+            f"in {dst})", file=sys.stderr, flush=True)
+    return saved, "its checkpoint"
+  if problem is None:
+    return from_json, "config.json"
+  if checkpointing.committed_steps(os.path.join(workdir, "checkpoints")):
+    raise WorkdirError(
+        f"{path} {problem}, and the checkpoints of this workdir are older "
+        "than the ones that carry their config, so nothing tells which "
+        "config they belong to: restore config.json, use another workdir, "
+        "or pass --override_resume to resume them with this config.")
+  return None, None
+
+
+def check_resume_config(workdir, config, resolved, *, override=False):
+  """Refuses to continue `workdir` with a config that changes fixed keys.
+
+  resolved: the "resolved" block of `config` (model: the LlamaConfig
+  fields, recipe: the Recipe's config) that gives a preset's placeholders
+  their values. Returns the differing keys (empty when the workdir holds no
+  run or nothing fixed differs); WorkdirError unless `override` when there
+  are, or when the workdir's config cannot be known.
+  """
+  requested = dict(config.to_dict(), resolved=resolved)
+  try:
+    saved, source = _saved_config(workdir)
+  except WorkdirError:
+    if not override:
+      raise
+    saved, source = None, None
+  if saved is None:
+    return []
+  diffs = config_differences(requested, saved)
   if diffs and not override:
     shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:6])
     more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
     raise WorkdirError(
-        f"workdir {workdir!r} holds a run with another config ({shown}{more}); "
-        f"only {', '.join(RESUMABLE_KEYS)} may change on resume. Use a new "
-        "workdir, the config in config.json, or --override_resume to "
-        "continue this run with the new values.")
+        f"workdir {workdir!r} holds a run with another config (from "
+        f"{source}: {shown}{more}); only {', '.join(RESUMABLE_KEYS)} may "
+        "change on resume. Use a new workdir, the config it was run with, or "
+        "--override_resume to continue this run with the new values.")
   if diffs:
-    dst = _keep_records(workdir)
+    dst = record_override(workdir, {"override_resume": [
+        dict(key=k, was=old, now=new) for k, old, new in diffs]})
     print(f"fp4jax: resuming with changed {', '.join(k for k, _, _ in diffs)} "
-          f"(override); the previous config.json is kept in {dst}",
-          file=sys.stderr, flush=True)
+          f"(override); the previous config.json and the changes are kept in "
+          f"{dst}", file=sys.stderr, flush=True)
   return [k for k, _, _ in diffs]
 
 
 # ---------------------------------------------------------------------------
 # History.
+
+
+def record_override(workdir, note):
+  """Keeps the run's records and `note` (a dict: what --override_resume
+  accepted) as resume_override.json in a new history/<n>/; returns it."""
+  return _keep_records(workdir, {"resume_override.json": json.dumps(
+      note, indent=2, default=json_default)})
 
 
 def set_aside_history(workdir, start_step):
@@ -290,17 +415,44 @@ def set_aside_history(workdir, start_step):
 
 
 
-def _keep_records(workdir):
+def _keep_records(workdir, extra=None):
   """Copies metrics.jsonl, summary.json, config.json to a new
-  WORKDIR/history/<n>/ (n = 1, 2, ...: nothing is replaced); returns it."""
+  WORKDIR/history/<n>/ (n = 1, 2, ...: nothing is replaced); returns it.
+
+  `extra`: {file name: text} written there too. The copy is made in
+  history/.<n>.partial and renamed to <n> when complete, so history/ never
+  holds a half copy (a partial one a killed run left is removed here).
+  """
   root = os.path.join(workdir, "history")
-  os.makedirs(root, exist_ok=True)
-  n = 1
-  while os.path.exists(os.path.join(root, str(n))):
-    n += 1
-  dst = os.path.join(root, str(n))
-  os.makedirs(dst)
-  for name in ("metrics.jsonl", "summary.json", "config.json"):
-    if os.path.exists(os.path.join(workdir, name)):
-      shutil.copy2(os.path.join(workdir, name), dst)
+  partial = None
+  try:
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+      if name.startswith(".") and name.endswith(".partial"):
+        shutil.rmtree(os.path.join(root, name))
+    n = 1
+    while os.path.exists(os.path.join(root, str(n))):
+      n += 1
+    dst = os.path.join(root, str(n))
+    partial = os.path.join(root, f".{n}.partial")
+    os.makedirs(partial)
+    for name in ("metrics.jsonl", "summary.json", "config.json"):
+      if os.path.exists(os.path.join(workdir, name)):
+        shutil.copy2(os.path.join(workdir, name), partial)
+    for name, text in (extra or {}).items():
+      with open(os.path.join(partial, name), "w") as f:
+        f.write(text)
+    for hook in atomic.BEFORE_RENAME:
+      hook(partial)
+    os.rename(partial, dst)
+  except OSError as e:
+    if partial is not None:
+      shutil.rmtree(partial, ignore_errors=True)
+    if e.errno == errno.ENOSPC:
+      needed = sum(os.path.getsize(os.path.join(workdir, name))
+                   for name in ("metrics.jsonl", "summary.json", "config.json")
+                   if os.path.exists(os.path.join(workdir, name)))
+      raise errors.disk_full(root, needed) from None
+    raise
+  atomic.fsync_dir(root)
   return dst
