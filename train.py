@@ -5,7 +5,7 @@
       --config.quant=bf16 --config.steps=300
 
 Every config field can be overridden with --config.FIELD=VALUE (see
-fp4jax.train.trainer.base_config). `--config.quant=NAME` is shorthand for
+fp4jax.train.config.base_config). `--config.quant=NAME` is shorthand for
 `--config.quant.name=NAME` (a preset of fp4jax.recipe_names()); per-role
 overrides stay available, e.g. --config.quant.wgrad.hadamard.block=32.
 

@@ -15,27 +15,12 @@ mxfp4-dh16-floor), 3 for mxfp4-wdh16 and mxfp4-lh16, 1 for bf16 and
 mxfp4-dh32 (ablation.recipe_seeds): 53 runs.
 
 Evaluation: every 50 steps on 512 windows of 65 tokens (16 batches of 32)
-spread evenly through the 1.2M held-out tokens (fp4jax.data.validation_windows).
-Measured on two finished 300-step runs (fp8, mxfp4): the absolute standard
-error of the mean loss is 0.024 nats over windows (0.018 over batch means),
-that of the paired fp8 - mxfp4 difference 0.003 over windows (0.005 over
-batch means), against a difference of 0.030.
+spread evenly through the 1.2M held-out tokens
+(fp4jax.data.pipeline.validation_windows).
 
 Diagnostics: the first block's q projection and the last block's MLP down
 projection, on 3 consecutive steps every 100 (bias, step cosine, SNR).
-Checkpoints: at the end only (a run is ~1 minute; an interrupted one restarts,
-finished runs are skipped).
-
-Time: not measured on a quiet machine. Pilot on 2026-12-01 (this config's
-training, evaluation and diagnostics; eval every 30 and diagnostics every 75
-at the time), load average 15-20 from other jobs on the 2 cores: fp8 seed 0
-698 s (first run of the process, cold compilation cache), mxfp4-dh16 seed 0
-287 s (new recipe: compiles), fp8 seed 1 334 s (cache warm: first step 9.5 s
-against 161 s). Steady training steps took 0.30-0.76 s (median per run)
-against 0.065 s on a quiet machine; scaled by that ratio: ~150 s, ~56 s and
-~28 s. Extrapolated: 13 compiling runs at ~60 s and 40 cached ones at ~40 s
-(slack for SR, ~1.4x slower) = about 40 minutes on a quiet machine, 50-55
-with a 1.3x margin; expect up to ~1.5x more at a load average of 2-5.
+Checkpoints: at the end only (and on a stop signal); finished runs are skipped.
 """
 
 from fp4jax.train import config as train_config

@@ -17,8 +17,8 @@ windows every 50 steps); Fprop and Dgrad are mxfp4-sr in every arm, Wgrad:
 
 import os
 
-from fp4jax.bench.train_speed import load_config
 from fp4jax.experiments import ablation
+from fp4jax.train.cli import load_config_file
 
 ARMS = ("fp4", "fp8", "schedule", "adaptive")
 
@@ -34,7 +34,7 @@ def get_config(arm="adaptive"):
   if arm not in ARMS:
     raise ValueError(f"configs/adaptive_tiny.py: arm {arm!r} is not one of {', '.join(ARMS)}")
   config = ablation.run_config(
-      load_config(os.path.join(os.path.dirname(__file__), "ablation_tiny.py")),
+      load_config_file(os.path.join(os.path.dirname(__file__), "ablation_tiny.py")),
       "mxfp4-sr", seed=0)
   if arm == "fp8":
     for operand, fields in FP8_WGRAD.items():

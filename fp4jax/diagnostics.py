@@ -50,6 +50,8 @@ from fp4jax.recipes import ROLES
 SOURCES = ("train", "ref")
 GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos", "snr")
 WINDOW_STATS = ("bias", "step_cos")
+# The Wgrad snr below which FP4 training stops making progress (Chmiel et al.).
+SNR_THRESHOLD = math.sqrt(3)
 _DN = (((1,), (0,)), ((), ()))  # x_MxK . w_KxN
 
 
@@ -248,11 +250,6 @@ def capture(model, layers, params, tokens_BxL1, key=None, layer_key=None):
   return found
 
 
-def default_layers(model_config):
-  """The first block's q projection and the last block's MLP down projection."""
-  return ("block_0/attn/q", f"block_{model_config.n_layers - 1}/mlp/down")
-
-
 @dataclasses.dataclass
 class _Callback:
   """State of `make_callback`'s callback (see there)."""
@@ -291,14 +288,14 @@ class _Callback:
     return row
 
 
-def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, seed=0,
+def make_callback(model, ref_batch=None, *, layers, every=50, window=4, seed=0,
                   layer_key=None):
   """A trainer callback `cb(step, state, batch) -> dict | None` for fp4jax.train.trainer.
 
   model: the fp4jax.llama.model.Llama being trained (rebuilt here with
     capture_dots=True); its recipe is the one measured.
   ref_batch: int32 [B, L + 1] fixed reference tokens (None: training batch only).
-  layers: module paths (default: `default_layers`). Measures the steps with
+  layers: module paths, e.g. fp4jax.llama.linears.diagnostics_layers(). Measures the steps with
     step % every < window, so each window holds `window` consecutive steps;
     bias is reported on its last step, step_cos on all but its first.
   seed: keys for random recipes (fold_in(seed, step)).
@@ -312,7 +309,7 @@ def make_callback(model, ref_batch=None, *, layers=None, every=50, window=4, see
     raise ValueError("diagnostics need scan_layers=False (per-block module paths)")
   if window < 2 or every < window:
     raise ValueError(f"diagnostics need 2 <= window <= every, got window={window}, every={every}")
-  layers = tuple(layers or default_layers(model.config))
+  layers = tuple(layers)
   for name in layers:
     block = re.match(r"block_(\d+)/", name)
     if block and model.config.is_bf16(int(block.group(1))):

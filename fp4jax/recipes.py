@@ -1,6 +1,6 @@
 """Recipes: how each of the three GEMMs of a linear layer is quantized.
 
-A dot_general Y = X W runs three GEMMs (architecture.md, "Roles and axes"):
+A dot_general Y = X W runs three GEMMs (docs/recipes.md, its opening table):
 
   fprop  Y  = X W      lhs = X,  rhs = W,  contraction over K
   dgrad  dX = dY W^T   lhs = dY, rhs = W,  contraction over N

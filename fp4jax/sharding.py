@@ -1,4 +1,4 @@
-"""Device mesh, logical axis rules, block checks and multi-host start-up.
+"""Device mesh, logical axis rules and multi-host start-up.
 
 Everything here is JAX's own machinery: a `Mesh` with axes ("data", "fsdp",
 "tensor"), Flax logical axis rules (as MaxText uses them) that turn the model's
@@ -160,7 +160,7 @@ def global_batch(local_np, mesh: Mesh):
 
 
 # ---------------------------------------------------------------------------
-# Quantization blocks must not straddle devices.
+# How the rules split an axis (fp4jax.llama.block_check asks).
 
 
 def _rule_axes(logical_name):
@@ -172,118 +172,22 @@ def _rule_axes(logical_name):
   return ()
 
 
-def _shards(mesh: Mesh, logical_name) -> int:
+def shards(mesh: Mesh, logical_name) -> int:
+  """How many ways the rules split the logical axis `logical_name` on `mesh`."""
   return math.prod(mesh.shape[a] for a in _rule_axes(logical_name))
 
 
 def batch_shards(mesh: Mesh) -> int:
   """How many ways the rules split the batch (data x fsdp)."""
-  return _shards(mesh, "activation_batch")
+  return shards(mesh, "activation_batch")
 
 
-def _linear_layers(model_cfg):
-  """(name, input axis, output axis) of one block's quantized linears.
-
-  An axis is a list of (logical name, size), flattened in that order; the
-  names are the kernels' (fp4jax.llama.model documents the layouts), and the
-  blocks run along the flattened contraction axes.
-  """
-  d, f = model_cfg.dim, model_cfg.mlp_dim
-  h, kv, hd = model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim
-  layers = []
-  quantized = [i for i in range(model_cfg.n_layers) if not model_cfg.is_bf16(i)]
-  if quantized:
-    block = "blocks" if model_cfg.scan_layers else f"block_{quantized[0]}"
-    layers += [
-        (f"{block}/attn/q", [("embed", d)], [("heads", h), ("head_dim", hd)]),
-        (f"{block}/attn/k", [("embed", d)], [("kv_heads", kv), ("head_dim", hd)]),
-        (f"{block}/attn/v", [("embed", d)], [("kv_heads", kv), ("head_dim", hd)]),
-        (f"{block}/attn/o", [("heads", h), ("head_dim", hd)], [("embed", d)]),
-        (f"{block}/mlp/gate", [("embed", d)], [("mlp", f)]),
-        (f"{block}/mlp/up", [("embed", d)], [("mlp", f)]),
-        (f"{block}/mlp/down", [("mlp", f)], [("embed", d)]),
-    ]
-  if model_cfg.quantize_head and not model_cfg.is_bf16(None):
-    layers.append(("head", [("embed", d)], [("vocab", model_cfg.vocab_size)]))
-  return layers
-
-
-def _activation(name):
+def activation_name(name):
+  """The activations' logical name of a kernel axis' logical name ("embed" ->
+  "activation_embed"; names without one are returned as they are)."""
   return {"embed": "activation_embed", "mlp": "activation_mlp",
           "heads": "activation_heads", "kv_heads": "activation_kv_heads",
           "vocab": "activation_vocab"}.get(name, name)
-
-
-def _local(mesh, axis, *, layer, what):
-  """Local size of a flattened axis [(logical, size), ...] on `mesh`."""
-  total = 1
-  for logical, size in axis:
-    n = _shards(mesh, logical)
-    if size % n:
-      raise ValueError(
-          f"layer {layer}: {what} axis {logical!r} of size {size} cannot be "
-          f"split evenly over {n} devices (mesh {dict(mesh.shape)})")
-    total *= size // n
-  return total
-
-
-def check_blocks(model_cfg, recipe, mesh: Mesh, *, micro_batch: int,
-                 seq_len: int) -> None:
-  """Raises ValueError if an MX or Hadamard block would straddle devices.
-
-  For each quantized linear layer and each of its GEMMs, each operand's
-  contraction axis is sharded by the rules: Fprop contracts the input
-  features, Dgrad the output features, Wgrad the tokens M = micro_batch x
-  seq_len, whose batch part is split over data x fsdp (so a device holds
-  micro_batch / (data * fsdp) x seq_len of them). That local size must be a
-  multiple of the operand's MX block and of the GEMM's Hadamard block. An
-  operand quantized in 2D tiles (`block_2d`) has a second tile side along its
-  other axes (flattened: a weight's other features, an activation's tokens),
-  whose local size must be a multiple of the tile too.
-  (With `quantize_attention`, QK^T and PV contract head_dim and positions,
-  which the rules never split, so they cannot straddle devices.)
-  """
-  n_batch = batch_shards(mesh)
-  if micro_batch % n_batch:
-    raise ValueError(
-        f"micro_batch {micro_batch} is not divisible by the {n_batch} batch "
-        f"shards (data x fsdp) of mesh {dict(mesh.shape)}")
-  tokens = [("activation_batch", micro_batch), ("activation_length", seq_len)]
-  for layer, fan_in, fan_out in _linear_layers(model_cfg):
-    x_in = [(_activation(n), s) for n, s in fan_in]
-    dy_out = [(_activation(n), s) for n, s in fan_out]
-    gemms = {  # role: contraction, (lhs name, its axis, its other axes), (rhs ...)
-        "fprop": ("input features", ("x", x_in, tokens), ("w", fan_in, fan_out)),
-        "dgrad": ("output features", ("dy", dy_out, tokens), ("w", fan_out, fan_in)),
-        "wgrad": ("tokens (micro_batch x seq_len)", ("x", tokens, x_in),
-                  ("dy", tokens, dy_out)),
-    }
-    for role, (contracted, *operands) in gemms.items():
-      gemm = getattr(recipe, role)
-      for (operand, axis, other), spec in zip(operands, (gemm.lhs, gemm.rhs)):
-        blocks = [("MX block", spec and spec.block, axis),
-                  ("Hadamard block", gemm.hadamard and gemm.hadamard.block, axis)]
-        if spec is not None and spec.block_2d:
-          blocks.append(("2D tile", spec.block, other))
-        for kind, block, along in blocks:
-          if not block:
-            continue
-          local = _local(mesh, along, layer=layer, what=f"{role} {operand}")
-          if local % block == 0:
-            continue
-          where = (f"{role} contracts the {contracted} axis; operand {operand}"
-                   if along is axis else
-                   f"{role} quantizes operand {operand} in {block}x{block} tiles; "
-                   "along its other axes (the tiles' second side) it")
-          if local == math.prod(size for _, size in along):  # not split
-            raise ValueError(
-                f"layer {layer}: {where} has size {local} along it, not a "
-                f"multiple of the {kind} {block} (choose sizes divisible "
-                f"by {block} or a recipe with a smaller block)")
-          raise ValueError(
-              f"layer {layer}: {where} has local size {local} per device on mesh "
-              f"{dict(mesh.shape)}, not a multiple of the {kind} {block}, "
-              f"so a block would straddle two devices")
 
 
 # ---------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
     blocks_shape, red = (shape[0] // block, block, shape[1]), 1
   xb = x.astype(jnp.float32).reshape(blocks_shape)
   amax = formats.block_amax(xb, red)  # NaN-propagating integer max (formats' own)
-  e = formats.block_exponent(amax, spec)
+  e = scales_lib.block_exponent(amax, spec)
   inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
   if has_bits:
     bits = bits.reshape(blocks_shape)

@@ -113,7 +113,7 @@ def _operands(m=64, k=64, n=32):
 
 def test_unquantized_recipe_has_no_error():
   stats, errors = _stats("bf16", *_operands())
-  for role in D.ROLES:
+  for role in recipes.ROLES:
     assert float(stats[role]["out_err"]) < 1e-6  # float32 round-off of the exact GEMM
     assert float(stats[role]["lhs_err"]) == 0.0 and float(stats[role]["rhs_err"]) == 0.0
     assert float(jnp.max(jnp.abs(errors[role]))) < 1e-6
@@ -138,7 +138,7 @@ def test_rotated_operand_error_is_measured_in_the_rotated_basis():
   x, w, dy = _operands()
   stats, _ = _stats("mxfp4-dh16", x, w, dy)
   plain, _ = _stats("mxfp4", x, w, dy)
-  for role in D.ROLES:
+  for role in recipes.ROLES:
     assert 0.01 < float(stats[role]["lhs_err"]) < 0.5
     assert float(stats[role]["out_err"]) != float(plain[role]["out_err"])
 
@@ -152,7 +152,7 @@ def test_measured_operands_are_the_ones_the_gemm_used():
   sr = recipes.recipe("mxfp4-sr")
   rotation = recipes.Hadamard(16, "per-step")
   recipe = dataclasses.replace(sr, name="mxfp4-sr-rh16", **{
-      r: dataclasses.replace(getattr(sr, r), hadamard=rotation) for r in D.ROLES})
+      r: dataclasses.replace(getattr(sr, r), hadamard=rotation) for r in recipes.ROLES})
   x, w, dy = _operands()
   _, errors = jax.jit(functools.partial(D.gemm_stats, recipe))(x, w, dy, key)
   cases = {"fprop": ((x, w, 1, 0), lambda a, b: a @ b, x @ w),
@@ -162,7 +162,7 @@ def test_measured_operands_are_the_ones_the_gemm_used():
   @jax.jit
   def outputs(key):
     out = {}
-    for i, role in enumerate(D.ROLES):
+    for i, role in enumerate(recipes.ROLES):
       operands, product, _ = cases[role]
       (a_q, _), (b_q, _) = D.role_operands(recipe, role, *operands, jax.random.fold_in(key, i))
       out[role] = product(a_q.astype(jnp.float32), b_q.astype(jnp.float32))
@@ -220,11 +220,11 @@ def test_callback_on_fixed_weights():
   # too: the deterministic fprop gives the same number on both).
   assert rows[0]["diag/train/block_0/attn/q/fprop/snr"] == pytest.approx(
       1 / rows[0]["diag/ref/block_0/attn/q/fprop/out_err"], rel=1e-5)
-  assert all(1 < rows[0][f"diag/train/block_0/attn/q/{r}/snr"] < 1e3 for r in D.ROLES)
+  assert all(1 < rows[0][f"diag/train/block_0/attn/q/{r}/snr"] < 1e3 for r in recipes.ROLES)
   ref = "diag/ref/block_0/attn/q"
   assert f"{ref}/fprop/bias" not in rows[1] and f"{ref}/fprop/step_cos" in rows[1]
   assert f"{ref}/fprop/step_cos" not in rows[4]  # step 3 was not measured
-  for role in D.ROLES:
+  for role in recipes.ROLES:
     assert 0 < rows[0][f"{ref}/{role}/out_err"] < 0.5
     bias, cos = rows[2][f"{ref}/{role}/bias"], rows[2][f"{ref}/{role}/step_cos"]
     if role == "fprop":

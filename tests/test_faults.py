@@ -40,17 +40,24 @@ def _env():
   return env
 
 
-def run(*args, module=None):
-  """(exit status, stdout + stderr) of `python train.py ARGS` (or -m module)."""
-  cmd = [sys.executable] + (["-m", module] if module else ["train.py"])
+# train.py with trainer.train's test hook nan_steps=(1, 2): those steps' loss is NaN.
+NAN_TRAIN = ("import functools, runpy, sys; from fp4jax.train import trainer; "
+             "trainer.train = functools.partial(trainer.train, nan_steps=(1, 2)); "
+             "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+
+
+def run(*args, module=None, code=None):
+  """(exit status, stdout + stderr) of `python train.py ARGS` (or -m module, -c code)."""
+  cmd = [sys.executable] + (["-m", module] if module else ["-c", code] if code
+                            else ["train.py"])
   result = subprocess.run(cmd + list(args), cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=TIMEOUT_S)
   return result.returncode, result.stdout + result.stderr
 
 
-def train(workdir, corpus, *extra):
+def train(workdir, corpus, *extra, code=None):
   return run(f"--workdir={workdir}", *TINY,
-             f"--config.data.path={corpus}/*.txt", *TRAINED, *extra)
+             f"--config.data.path={corpus}/*.txt", *TRAINED, *extra, code=code)
 
 
 def _user_error(rc, out, *names):
@@ -210,8 +217,8 @@ def test_metrics_without_checkpoints_then_divergence(workdir, corpus):
   path, before = workdir
   shutil.rmtree(path / "checkpoints")
   before = (set(), before[1])
-  rc, out = train(path, corpus, "--config.nan_steps=1,2",
-                  "--config.max_bad_steps=2", "--config.eval_every=100")
+  rc, out = train(path, corpus, "--config.max_bad_steps=2",
+                  "--config.eval_every=100", code=NAN_TRAIN)
   assert rc == 1, out[-3000:]
   assert "no readable checkpoint" in out and "history/1" in out, out[-3000:]
   assert "No checkpoint had been saved yet" in out, out[-3000:]
@@ -271,17 +278,17 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
   cases = _bad_corpora(tmp_path)
   script = (
       "import sys, json\n"
-      "from fp4jax import data, tokenizers\n"
+      "from fp4jax.data import files, pipeline, tokenizers\n"
       "tok = tokenizers.make_tokenizer('bytes')\n"
       "for name, pattern in json.loads(sys.argv[1]).items():\n"
-      "  cfg = data.data_config()\n"
+      "  cfg = pipeline.data_config()\n"
       "  cfg.source, cfg.path, cfg.val_path = 'files', pattern, pattern\n"
       "  cfg.decode_errors = 'replace' if name == 'replaced' else 'strict'\n"
       "  try:\n"
-      "    it = data.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
+      "    it = pipeline.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
       "    for _ in range(50): next(it)\n"
       "    print(name, 'ACCEPTED')\n"
-      "  except data.DataError as e:\n"
+      "  except files.DataError as e:\n"
       "    print(name, '|', e)\n")
   patterns = {k: str(tmp_path / k / p) for k, (p, _) in cases.items()}
   result = subprocess.run([sys.executable, "-c", script, json.dumps(patterns)],

@@ -17,6 +17,7 @@ import pytest
 from fp4jax.llama import model as model_lib
 from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
 from fp4jax.bench import kernels as bench_kernels
+from fp4jax.train import cli
 
 _HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
@@ -174,11 +175,11 @@ def test_summary_of_an_empty_work_dir(tmp_path):
 
 
 def test_train_config_is_trimmed():
-  cfg = train_speed.run_config(train_speed.load_config("configs/ablation_gpu.py"),
+  cfg = train_speed.run_config(cli.load_config_file("configs/ablation_gpu.py"),
                                "mxfp4-dh16", "pallas", 5, tiny=True)
   assert "ablation" not in cfg and "diagnostics" not in cfg
   assert (cfg.steps, cfg.eval_every, cfg.checkpoint_every, cfg.eval_batches) == (5, 5, 5, 1)
   assert (cfg.quant.name, cfg.quant.backend, cfg.model.name) == ("mxfp4-dh16", "pallas", "tiny")
-  full = train_speed.run_config(train_speed.load_config("configs/ablation_gpu.py"),
+  full = train_speed.run_config(cli.load_config_file("configs/ablation_gpu.py"),
                                 "bf16", "xla", 20)
   assert (full.model.name, full.batch_size, full.seq_len) == ("llama-125m", 32, 1024)

@@ -67,7 +67,7 @@ def test_block_exponent_golden(fmt, mode_index, mode):
   rows = [g for g in GOLDEN if g[0] == fmt]
   amax = jnp.asarray([r[1] for r in rows], jnp.float32)
   spec = formats.QuantSpec(fmt, scale_mode=mode)
-  got = _codes(formats.block_exponent(amax, spec))
+  got = _codes(scales.block_exponent(amax, spec))
   want = [r[2][mode_index] for r in rows]
   assert got == want, [(r[1], g, w) for r, g, w in zip(rows, got, want)
                        if g != w]

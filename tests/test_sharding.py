@@ -15,7 +15,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from fp4jax.data import tokenizers
+from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
+from fp4jax.numerics import formats
 from fp4jax import recipes
 from fp4jax import sharding
 from fp4jax.train import config as train_config
@@ -184,23 +186,23 @@ def test_model_activations_follow_the_rules_under_use_mesh():
 @pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (8, 1, 1), (1, 4, 2),
                                         (2, 2, 2)])
 def test_check_blocks_accepts_good_meshes(recipe_name, mesh_shape):
-  sharding.check_blocks(TINY, recipes.recipe(recipe_name), _mesh(*mesh_shape),
-                        micro_batch=8, seq_len=32)
+  block_check.check_blocks(TINY, recipes.recipe(recipe_name), _mesh(*mesh_shape),
+                           micro_batch=8, seq_len=32)
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (1, 1, 8), (2, 2, 2)])
 def test_check_blocks_accepts_the_8b_run_on_8_devices(mesh_shape):
   """configs/llama3_8b_c4.py: micro_batch 16 x 8192 tokens."""
   cfg = model_lib.model_config("llama3.1-8b", scan_layers=True)
-  sharding.check_blocks(cfg, recipes.recipe("mxfp4-dh16"), _mesh(*mesh_shape),
-                        micro_batch=16, seq_len=8192)
+  block_check.check_blocks(cfg, recipes.recipe("mxfp4-dh16"), _mesh(*mesh_shape),
+                           micro_batch=16, seq_len=8192)
 
 
 def test_check_blocks_fires_on_fsdp_too_wide_for_the_mx_block():
   # embed = 128 over fsdp = 8 leaves 16 per device; MXFP4 blocks are 32.
   with pytest.raises(ValueError) as err:
-    sharding.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(1, 8, 1),
-                          micro_batch=8, seq_len=32)
+    block_check.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(1, 8, 1),
+                             micro_batch=8, seq_len=32)
   msg = str(err.value)
   for part in ("layer block_0/attn/q", "fprop", "input features", "operand w",
                "local size 16", "MX block 32"):
@@ -210,15 +212,15 @@ def test_check_blocks_fires_on_fsdp_too_wide_for_the_mx_block():
 def test_check_blocks_fires_on_the_wgrad_token_axis():
   # 8 sequences of 4 tokens over 8 batch shards: 4 tokens per device.
   with pytest.raises(ValueError) as err:
-    sharding.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(8, 1, 1),
-                          micro_batch=8, seq_len=4)
+    block_check.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(8, 1, 1),
+                             micro_batch=8, seq_len=4)
   msg = str(err.value)
   for part in ("wgrad", "tokens (micro_batch x seq_len)", "operand x",
                "local size 4", "MX block 32"):
     assert part in msg, msg
   # The same tokens on one device are fine: 32 of them.
-  sharding.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(1, 1, 1),
-                        micro_batch=8, seq_len=4)
+  block_check.check_blocks(TINY, recipes.recipe("mxfp4"), _mesh(1, 1, 1),
+                           micro_batch=8, seq_len=4)
 
 
 def test_check_blocks_fires_on_the_hadamard_block():
@@ -227,11 +229,11 @@ def test_check_blocks_fires_on_the_hadamard_block():
   # fsdp = 4 leaves o's kernel 128 / 4 = 32 of its output features.
   had = recipes.Hadamard(block=64)
   recipe = recipes.Recipe("rot", dgrad=recipes.Gemm(None, None, had))
-  sharding.check_blocks(TINY, recipe, _mesh(2, 1, 1), micro_batch=2,
-                        seq_len=32)
+  block_check.check_blocks(TINY, recipe, _mesh(2, 1, 1), micro_batch=2,
+                           seq_len=32)
   with pytest.raises(ValueError) as err:
-    sharding.check_blocks(TINY, recipe, _mesh(1, 4, 1), micro_batch=4,
-                          seq_len=32)
+    block_check.check_blocks(TINY, recipe, _mesh(1, 4, 1), micro_batch=4,
+                             seq_len=32)
   msg = str(err.value)
   for part in ("layer block_0/attn/o", "dgrad", "output features",
                "local size 32", "Hadamard block 64"):
@@ -242,12 +244,12 @@ def test_check_blocks_checks_the_second_side_of_a_2d_tile():
   # Fprop's weight in 32x32 MXFP4 tiles (no other role quantizes, so no
   # contraction axis checks the output features): gate's kernel [128, 96]
   # is fine on one device, but tensor = 2 leaves 48 output features each.
-  tiles = recipes.Recipe("w2d", fprop=recipes.Gemm(None, recipes.QuantSpec("mxfp4",
+  tiles = recipes.Recipe("w2d", fprop=recipes.Gemm(None, formats.QuantSpec("mxfp4",
                                                                           block_2d=True)))
   cfg = dataclasses.replace(TINY, mlp_dim=96)
-  sharding.check_blocks(cfg, tiles, _mesh(1, 1, 1), micro_batch=8, seq_len=32)
+  block_check.check_blocks(cfg, tiles, _mesh(1, 1, 1), micro_batch=8, seq_len=32)
   with pytest.raises(ValueError) as err:
-    sharding.check_blocks(cfg, tiles, _mesh(1, 1, 2), micro_batch=8, seq_len=32)
+    block_check.check_blocks(cfg, tiles, _mesh(1, 1, 2), micro_batch=8, seq_len=32)
   msg = str(err.value)
   for part in ("layer block_0/mlp/gate", "fprop quantizes operand w in 32x32 tiles",
                "the tiles' second side", "local size 48 per device", "2D tile 32"):
@@ -258,25 +260,25 @@ def test_check_blocks_skips_bf16_layers_and_names_the_head():
   bad = _mesh(1, 8, 1)
   all_bf16 = dataclasses.replace(
       TINY, bf16_layers=tuple(f"block_{i}" for i in range(TINY.n_layers)))
-  sharding.check_blocks(all_bf16, recipes.recipe("mxfp4"), bad, micro_batch=8,
-                        seq_len=32)
+  block_check.check_blocks(all_bf16, recipes.recipe("mxfp4"), bad, micro_batch=8,
+                           seq_len=32)
   with pytest.raises(ValueError, match="layer head"):
-    sharding.check_blocks(dataclasses.replace(all_bf16, quantize_head=True),
-                          recipes.recipe("mxfp4"), bad, micro_batch=8,
-                          seq_len=32)
+    block_check.check_blocks(dataclasses.replace(all_bf16, quantize_head=True),
+                             recipes.recipe("mxfp4"), bad, micro_batch=8,
+                             seq_len=32)
 
 
 def test_check_blocks_rejects_a_micro_batch_the_mesh_cannot_split():
   with pytest.raises(ValueError, match="micro_batch 6 is not divisible by the"
                      " 4 batch shards"):
-    sharding.check_blocks(TINY, recipes.recipe("bf16"), _mesh(2, 2, 2),
-                          micro_batch=6, seq_len=32)
+    block_check.check_blocks(TINY, recipes.recipe("bf16"), _mesh(2, 2, 2),
+                             micro_batch=6, seq_len=32)
 
 
 def test_linear_layer_table_matches_the_model():
   """check_blocks' layer names and kernel axes are the model's own."""
   params = _abstract_params()
-  for name, fan_in, fan_out in sharding._linear_layers(TINY):
+  for name, fan_in, fan_out in block_check._linear_layers(TINY):
     box = params
     for key in name.split("/"):
       box = box[key]
@@ -438,8 +440,8 @@ def test_check_blocks_on_an_unsplit_axis_speaks_of_the_size_not_devices():
   # dim 40 on one device: the axis is whole, just not a multiple of 32.
   cfg = dataclasses.replace(TINY, dim=40, n_heads=2, n_kv_heads=1)
   with pytest.raises(ValueError) as err:
-    sharding.check_blocks(cfg, recipes.recipe("mxfp4"), _mesh(1, 1, 1),
-                          micro_batch=8, seq_len=32)
+    block_check.check_blocks(cfg, recipes.recipe("mxfp4"), _mesh(1, 1, 1),
+                             micro_batch=8, seq_len=32)
   msg = str(err.value)
   assert "has size 40 along it, not a multiple of the MX block 32" in msg, msg
   assert "straddle" not in msg and "per device" not in msg

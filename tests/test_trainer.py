@@ -21,9 +21,12 @@ import pytest
 import tensorstore as ts
 
 from fp4jax import checkpointing
+from fp4jax.experiments import ablation
+from fp4jax.train import cli
 from fp4jax.train import config as train_config
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
+from fp4jax.train import workdir as workdir_lib
 from fp4jax.train.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -343,8 +346,8 @@ def test_non_finite_steps_are_skipped_and_counted(tmp_path):
     return {"probe": step}
 
   summary = trainer.train(
-      tiny_config(nan_steps=(3, 4), max_bad_steps=3), str(tmp_path),
-      callbacks=[record])
+      tiny_config(max_bad_steps=3), str(tmp_path), callbacks=[record],
+      nan_steps=(3, 4))
   rows = read_metrics(str(tmp_path))
   assert summary["status"] == "completed" and summary["skipped_steps"] == 2
   assert [r["skipped_steps"] for r in rows if r["step"]] == [0, 0, 1, 2, 2, 2,
@@ -361,8 +364,8 @@ def test_too_many_bad_steps_stop_the_run_keeping_the_good_checkpoint(
     tmp_path):
   # Same program as the test above (compiled once): only max_bad_steps differs.
   summary = trainer.train(
-      tiny_config(nan_steps=(3, 4), max_bad_steps=2, checkpoint_every=1),
-      str(tmp_path))
+      tiny_config(max_bad_steps=2, checkpoint_every=1), str(tmp_path),
+      nan_steps=(3, 4))
   assert summary["status"] == "diverged"
   assert summary["step"] == 4
   assert "2 steps in a row" in summary["message"]
@@ -377,6 +380,20 @@ def test_target_eval_loss_stops_the_run_and_records_tokens(tmp_path):
   assert summary["step"] == 2
   assert summary["target_tokens"] == 2 * 8 * 32
   assert read_metrics(str(tmp_path))[-1]["target_reached"] is True
+
+
+def test_a_committed_workdir_still_passes_the_resume_check(tmp_path):
+  """results/'s config.json files hold keys fp4jax has since dropped (the
+  test hook nan_steps): rerunning their config must still resume them."""
+  saved = json.load(open(os.path.join(
+      ROOT, "results", "ablation_tiny", "bf16_seed0", "config.json")))
+  assert "nan_steps" in saved
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = ablation.run_config(
+      cli.load_config_file(os.path.join(ROOT, "configs", "ablation_tiny.py")),
+      "bf16", seed=0)
+  assert "nan_steps" not in config
+  assert workdir_lib.check_resume_config(str(tmp_path), config) == []
 
 
 # ------------------------------------------------------------- bad config

@@ -1,6 +1,6 @@
 """GEMM backends: how one GEMM of a recipe quantizes its operands and multiplies them.
 
-fp4jax.dot calls, per quantized GEMM, one backend module through three functions:
+fp4jax.dot calls, per quantized GEMM, one backend module through four functions:
 
   unsupported(gemm) -> str | None
       why this backend cannot run `gemm` (a recipes.Gemm); fp4jax.dot then runs

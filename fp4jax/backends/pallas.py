@@ -9,7 +9,11 @@ GEMM are the xla backend's.
 
 from fp4jax.backends import xla
 from fp4jax.numerics import operand
-from fp4jax.backends.xla import from_qarray, matmul, unsupported  # pylint: disable=unused-import
+
+# This backend's from_qarray, matmul and unsupported (fp4jax.backends) are the xla backend's.
+from_qarray = xla.from_qarray
+matmul = xla.matmul
+unsupported = xla.unsupported
 
 
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):

@@ -1,7 +1,7 @@
 """Benchmarks that print ratios measured in one run: `python -m fp4jax.bench NAME`.
 
 Each benchmark module has `parser()` (its argparse flags) and `main(argv)`;
-`positive_int` and `recipe_list` are the flag types they share, so a bad
+`positive_int` and `choice_list` are the flag types they share, so a bad
 value is one argparse line with exit status 2.
 """
 

@@ -18,26 +18,18 @@ tokens (a CPU dry run).
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import tempfile
 
 import jax
 
+from fp4jax.train import cli
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from fp4jax.experiments import ablation
 
 H200_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA's H200 SXM datasheet
-
-
-def load_config(path):
-  """get_config() of a config file."""
-  spec = importlib.util.spec_from_file_location("fp4jax_bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
@@ -112,7 +104,7 @@ def parser():
 
 def main(argv):
   args = parser().parse_args(argv)
-  config = load_config(args.config)
+  config = cli.load_config_file(args.config)
   config_steps = config.steps
   cfg = run_config(config, args.recipe, args.backend, args.steps, args.tiny, args.scan_layers)
   result = measure(cfg, args.peak_tflops, config_steps)

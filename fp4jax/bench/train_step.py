@@ -27,7 +27,7 @@ from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 from fp4jax.bench.memory import named_recipe
-from fp4jax.bench.train_speed import load_config
+from fp4jax.train.cli import load_config_file
 
 DEFAULT_CONFIG = "configs/ablation_tiny.py"
 
@@ -40,10 +40,7 @@ def build(config, recipe_name):
   tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   mesh = sharding.make_mesh(config.mesh)
-  micro = train_config.micro_batch(config)
-  programs = trainer._programs(  # pylint: disable=protected-access
-      model_cfg, recipe, tuple((k, config[k]) for k in trainer._OPTIMIZER_KEYS),  # pylint: disable=protected-access
-      config.seed, config.batch_size // micro, (), config.seq_len, mesh)
+  programs = trainer.make_programs(config, model_cfg, recipe, mesh)
   state = programs.init(programs.params_key)
   rows = np.random.default_rng(0).integers(
       0, model_cfg.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
@@ -82,7 +79,7 @@ def main(argv):
       named_recipe(n)
   except ValueError as e:
     parser_.exit(2, f"--recipes: {e}\n")
-  config = load_config(args.config)
+  config = load_config_file(args.config)
   tokens_per_step = config.batch_size * config.seq_len
   runs = {}
   for n in names:

@@ -59,6 +59,7 @@ from fp4jax.train import cli
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax import diagnostics
+from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax.train import config as train_config
@@ -148,7 +149,8 @@ def diagnostics_callback(config, cfg):
   ref_batch = pipeline.validation_windows(
       cfg.data, tokenizer, seq_len=cfg.seq_len,
       batch_size=diag.ref_batch_size or cfg.batch_size, num_batches=1)[0]
-  layers = [n.strip() for n in diag.layers.split(",") if n.strip()] or None
+  layers = ([n.strip() for n in diag.layers.split(",") if n.strip()]
+            or linears.diagnostics_layers(model_cfg))
   return diagnostics.make_callback(
       model_lib.Llama(model_cfg, recipe), ref_batch, layers=layers,
       every=diag.every, window=diag.window, seed=cfg.seed,

@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 
+from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax.experiments import plots
 from fp4jax.experiments import stats
@@ -400,7 +401,7 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   sections += snr_section(series) + verdict_section(runs, margin)
   write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
               sections)
-  plots.plot_snr(os.path.join(workdir, "snr.png"), series, stats.SNR_THRESHOLD,
+  plots.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD,
                  {r: {k: stats.threshold_crossing(*v) for k, v in by.items()}
                   for r, by in series.items()})
   plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,

@@ -24,6 +24,8 @@ import math
 import numpy as np
 from scipy import stats as scipy_stats
 
+from fp4jax import diagnostics
+
 LEVEL = 0.95
 
 
@@ -253,9 +255,6 @@ def verdict_lines(final_loss, margin=0.01, claims=CLAIMS) -> list[str]:
 
 # ------------------------------------------------------------ gradient signal-to-noise
 
-SNR_THRESHOLD = math.sqrt(3)
-
-
 @dataclasses.dataclass(frozen=True)
 class Crossing:
   """Where a signal-to-noise series reaches the threshold.
@@ -270,7 +269,7 @@ class Crossing:
   slope: float
 
 
-def threshold_crossing(steps, snr, threshold=SNR_THRESHOLD, fit_from=0.5) -> Crossing:
+def threshold_crossing(steps, snr, threshold=diagnostics.SNR_THRESHOLD, fit_from=0.5) -> Crossing:
   """The Crossing of the series (steps increasing, snr > 0) with `threshold`.
 
   The trend is fitted to the measurements at steps >= fit_from * last step

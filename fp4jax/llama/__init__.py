@@ -1,5 +1,7 @@
 """Llama 3.1 in Flax linen with fp4jax's quantized dot_general in every linear layer.
 
-  model    LlamaConfig, the presets, the model and its blocks
-  hf       Hugging Face names, layouts and config fields; reading safetensors
+  model        LlamaConfig, the presets, the model and its blocks
+  linears      the linear layers, named once: module path, kernel axes, Hugging Face weight
+  block_check  start-up check that no quantization block straddles devices on a mesh
+  hf           Hugging Face names, layouts and config fields; reading safetensors
 """

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from fp4jax import sharding as sharding_lib
@@ -49,20 +50,22 @@ MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
 #   t          fp4jax [a, b] = hf[b, a]
 #   in_heads   fp4jax [D, N, d] = hf[N*d, D]   (q, k, v)
 #   out_heads  fp4jax [H, d, D] = hf[D, H*d]   (o)
-_BLOCK = (
+
+
+def _kernels(prefix):
+  """(fp4jax path, hf name, layout) of the linears (fp4jax.llama.linears) under `prefix`."""
+  return tuple(((*layer.path.split("/"), "kernel"), layer.hf_name, layer.hf_layout)
+               for layer in linears.BLOCK + (linears.HEAD,) if layer.path.startswith(prefix))
+
+
+_BLOCK = (  # in Hugging Face's order
     (("attn_norm", "scale"), "input_layernorm.weight", "same"),
-    (("attn", "q", "kernel"), "self_attn.q_proj.weight", "in_heads"),
-    (("attn", "k", "kernel"), "self_attn.k_proj.weight", "in_heads"),
-    (("attn", "v", "kernel"), "self_attn.v_proj.weight", "in_heads"),
-    (("attn", "o", "kernel"), "self_attn.o_proj.weight", "out_heads"),
+    *_kernels("attn/"),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", "same"),
-    (("mlp", "gate", "kernel"), "mlp.gate_proj.weight", "t"),
-    (("mlp", "up", "kernel"), "mlp.up_proj.weight", "t"),
-    (("mlp", "down", "kernel"), "mlp.down_proj.weight", "t"),
+    *_kernels("mlp/"),
 )
 _EMBED = (("embed", "embedding"), "model.embed_tokens.weight", "same")
-_TOP = ((("final_norm", "scale"), "model.norm.weight", "same"),
-        (("head", "kernel"), "lm_head.weight", "t"))
+_TOP = ((("final_norm", "scale"), "model.norm.weight", "same"), *_kernels("head"))
 
 
 class ConvertError(ValueError):

@@ -8,7 +8,8 @@ biases; the embedding and the output head are separate (untied) matrices.
 Parameters are float32 master weights; activations and matmuls run in
 `config.dtype`. RMSNorm, RoPE and softmax are computed in float32.
 
-Kernel layouts (Flax: y = x W, contraction axes first):
+Kernel layouts (Flax: y = x W, contraction axes first; the linears' names and
+axes are the table of fp4jax.llama.linears):
   q    [embed, heads, head_dim]      k, v [embed, kv_heads, head_dim]
   o    [heads, head_dim, embed]      (contracts over two axes: heads, head_dim)
   gate [embed, mlp]  up [embed, mlp]  down [mlp, embed]
@@ -51,6 +52,7 @@ import numpy as np
 
 import fp4jax.flax as fp4flax
 from fp4jax import recipes
+from fp4jax.llama import linears
 
 DTYPES = ("bfloat16", "float32")
 REMAT_POLICIES = {
@@ -296,6 +298,14 @@ def _dense(features, axis, kernel_axes, dot_cls, dtype, name):
       kernel_init=nn.with_logical_partitioning(init, kernel_axes, rules=()))
 
 
+def _linear(path, cfg, dot_cls, dtype):
+  """The linear layer `path` ("attn/q", ..., "head": fp4jax.llama.linears) of LlamaConfig cfg."""
+  layer = linears.linear(path)
+  features = tuple(size for _, size in layer.fan_out(cfg))
+  return _dense(features, tuple(range(-layer.n_in, 0)), layer.kernel_axes, dot_cls, dtype,
+                layer.name)
+
+
 def _dot_cls(recipe, cfg, switch_wgrad_to=None, wgrad_switched=None):
   """The `dot_general_cls` of a linear layer on `recipe` (capturing when cfg.capture_dots),
   whose Wgrad is `switch_wgrad_to` where `wgrad_switched` (fp4jax.train.adaptive)."""
@@ -319,10 +329,9 @@ class Attention(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
-    h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q_BxLxHxD = _dense((h, d), -1, ("embed", "heads", "head_dim"), dot_cls, dtype, "q")(x_BxLxD)
-    k_BxLxKxD = _dense((kv, d), -1, ("embed", "kv_heads", "head_dim"), dot_cls, dtype, "k")(x_BxLxD)
-    v_BxLxKxD = _dense((kv, d), -1, ("embed", "kv_heads", "head_dim"), dot_cls, dtype, "v")(x_BxLxD)
+    q_BxLxHxD = _linear("attn/q", cfg, dot_cls, dtype)(x_BxLxD)
+    k_BxLxKxD = _linear("attn/k", cfg, dot_cls, dtype)(x_BxLxD)
+    v_BxLxKxD = _linear("attn/v", cfg, dot_cls, dtype)(x_BxLxD)
     q_BxLxHxD = _constrain(q_BxLxHxD, "activation_heads", None)
     k_BxLxKxD = _constrain(k_BxLxKxD, "activation_kv_heads", None)
     v_BxLxKxD = _constrain(v_BxLxKxD, "activation_kv_heads", None)
@@ -343,7 +352,7 @@ class Attention(nn.Module):
         qk_dot, pv_dot = (_dot_cls(self.recipe, cfg)(name=n) for n in ("qk", "pv"))
       y_BxLxHxD = _causal_gqa(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, qk_dot, pv_dot)
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
-    return _dense(cfg.dim, (-2, -1), ("heads", "head_dim", "embed"), dot_cls, dtype, "o")(y_BxLxHxD)
+    return _linear("attn/o", cfg, dot_cls, dtype)(y_BxLxHxD)
 
 
 def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
@@ -386,11 +395,11 @@ class Mlp(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
-    gate_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "gate")(x_BxLxD)
-    up_BxLxF = _dense(cfg.mlp_dim, -1, ("embed", "mlp"), dot_cls, dtype, "up")(x_BxLxD)
+    gate_BxLxF = _linear("mlp/gate", cfg, dot_cls, dtype)(x_BxLxD)
+    up_BxLxF = _linear("mlp/up", cfg, dot_cls, dtype)(x_BxLxD)
     h_BxLxF = recomputed(_swiglu)(gate_BxLxF, up_BxLxF)
     h_BxLxF = _constrain(h_BxLxF, "activation_mlp")
-    return _dense(cfg.dim, -1, ("mlp", "embed"), dot_cls, dtype, "down")(h_BxLxF)
+    return _linear("mlp/down", cfg, dot_cls, dtype)(h_BxLxF)
 
 
 class Block(nn.Module):
@@ -471,6 +480,6 @@ class Llama(nn.Module):
     if cfg.quantize_head:
       head_recipe = recipes.recipe("bf16") if cfg.is_bf16(None) else self.recipe
       head_dot = _dot_cls(head_recipe, cfg)
-    logits_BxLxV = _dense(cfg.vocab_size, -1, ("embed", "vocab"), head_dot, dtype, "head")(x_BxLxD)
+    logits_BxLxV = _linear("head", cfg, head_dot, dtype)(x_BxLxD)
     logits_BxLxV = _constrain(logits_BxLxV, "activation_vocab")
     return logits_BxLxV.astype(jnp.float32)

@@ -44,7 +44,7 @@ from fp4jax.numerics import quest
 from fp4jax.numerics import scales as scales_lib
 from fp4jax.numerics import tiles
 from fp4jax.numerics.elements import ELEMENTS, ElementFormat, round_element
-from fp4jax.numerics.scales import block_exponent  # public building block
+from fp4jax.numerics.scales import block_exponent
 
 # name -> (family, element, default block)
 _FORMATS = {

@@ -39,7 +39,6 @@ recipe whose Wgrad is quantized, with residuals="original".
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -47,20 +46,19 @@ import ml_collections
 import numpy as np
 
 from fp4jax import diagnostics
+from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes
 from fp4jax.train import step as train_step
 
-DEFAULT_THRESHOLD = math.sqrt(3)  # Chmiel et al.; = fp4jax.experiments.stats.SNR_THRESHOLD
 TARGETS = ("fp8", "bf16")
-LINEARS = ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down")
 _KEY_DATA = 2  # fold_in(fold_in(key(seed), step), 2): the diagnostics use 0 and 1
 
 
 def adaptive_config() -> ml_collections.ConfigDict:
   """Defaults of config.adaptive_wgrad (see the module docstring)."""
   return ml_collections.ConfigDict(dict(
-      enabled=False, threshold=DEFAULT_THRESHOLD, window=3, every=50, to="fp8"))
+      enabled=False, threshold=diagnostics.SNR_THRESHOLD, window=3, every=50, to="fp8"))
 
 
 def check(cfg, model_cfg, segment_recipes):
@@ -172,7 +170,7 @@ def make_monitor(model_cfg, recipe, blocks: tuple, seed: int):
   """
   cap_model = model_lib.Llama(dataclasses.replace(model_cfg, capture_dots=True), recipe)
   layer_key = train_step.layer_key(jax.random.key(seed))
-  layers = [f"block_{b}/{name}" for b in blocks for name in LINEARS]
+  layers = [f"block_{b}/{layer.path}" for b in blocks for layer in linears.BLOCK]
 
   def measure(params, tokens_BxL1, key):
     ops = diagnostics.capture(cap_model, layers, params, tokens_BxL1, jax.random.fold_in(key, 0),
@@ -187,7 +185,7 @@ def make_monitor(model_cfg, recipe, blocks: tuple, seed: int):
                           precision=jax.lax.Precision.HIGHEST)
       signal2.append(jnp.sum(exact_KxN ** 2))
       noise2.append(jnp.sum(errors["wgrad"] ** 2))
-    per_block = lambda v: jnp.stack(v).reshape(len(blocks), len(LINEARS)).sum(axis=1)
+    per_block = lambda v: jnp.stack(v).reshape(len(blocks), len(linears.BLOCK)).sum(axis=1)
     return diagnostics.signal_to_noise_from_norms(jnp.sqrt(per_block(signal2)),
                                                   jnp.sqrt(per_block(noise2)))
 

@@ -33,7 +33,6 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   target_eval_loss            None = off; stop when eval_loss <= it
   max_bad_steps               non-finite steps in a row before stopping
   log_every                   metrics.jsonl / progress line interval
-  nan_steps                   test hook: steps (from 1) whose loss is made NaN
   mesh, distributed           fp4jax.sharding.mesh_config(), distributed_config()
   init_from                   "" or the parameters to start from: a Hugging Face
                               Llama directory or an fp4jax run (fp4jax.train.init_from)
@@ -134,7 +133,6 @@ def base_config():
       target_eval_loss=config_dict.placeholder(float),  # None = off
       max_bad_steps=10,
       log_every=10,
-      nan_steps=(),            # test hook: steps whose loss is made NaN
       mesh=sharding.mesh_config(),
       distributed=sharding.distributed_config(),
       init_from="",            # HF Llama dir or fp4jax run; "" = random init

@@ -2,7 +2,7 @@
 
 `train(config, workdir, callbacks=())` runs (or resumes) one run and returns
 its closing summary. The config keys are listed in fp4jax.train.config
-(`base_config()`, re-exported here, is what configs/ start from).
+(`base_config()` there is what configs/ start from).
 
 Randomness: one seed. seed_key = jax.random.key(seed); the parameters come
 from split(seed_key)[0], evaluation of random recipes from split(seed_key)[1],
@@ -39,6 +39,7 @@ from fp4jax.train import adaptive
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
+from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
 from fp4jax import schedule
 from fp4jax import sharding
@@ -69,8 +70,8 @@ def _start(config):
     mesh = sharding.make_mesh(config.mesh)
     micro_batch = _micro_batch(config)
     for seg in segs:
-      sharding.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
-                            seq_len=config.seq_len)
+      block_check.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
+                               seq_len=config.seq_len)
     eval_batch = config.eval_batch_size or micro_batch
     if eval_batch % sharding.batch_shards(mesh):
       raise ValueError(
@@ -161,7 +162,7 @@ _OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
 
 
 @dataclasses.dataclass(frozen=True)
-class _Programs:
+class Programs:
   """The jitted functions of one run and the shardings they use."""
   init: Any             # params_key -> TrainState
   step: Any             # (state, tokens_BxL1[, wgrad_switched_L]) -> (state, metrics)
@@ -171,13 +172,26 @@ class _Programs:
   switchable: bool      # step takes wgrad_switched_L (fp4jax.train.adaptive)
 
 
-@functools.lru_cache(maxsize=4)
-def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
-              seq_len, mesh, switch_wgrad_to=None):
-  """Builds (and caches) the jitted init, step and eval of a run.
+def make_programs(config, model_cfg, recipe, mesh, *, switch_wgrad_to=None,
+                  nan_steps=()):
+  """The jitted init, step and eval of `config` with `recipe` on `mesh`.
 
+  The trainer's own: its optimizer, seed, micro-batches and sequence length
+  from `config` (a benchmark gets the step a run trains with).
   switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.train.adaptive); the
   step then takes the bool [n_layers] wgrad_switched_L as a third argument.
+  nan_steps: test hook, see train().
+  """
+  return _programs(
+      model_cfg, recipe, tuple((k, config[k]) for k in _OPTIMIZER_KEYS),
+      config.seed, config.batch_size // _micro_batch(config), tuple(nan_steps),
+      config.seq_len, mesh, switch_wgrad_to)
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
+              seq_len, mesh, switch_wgrad_to):
+  """Builds (and caches) the Programs of make_programs.
 
   Runs in one process that differ only in data, evaluation, checkpointing or
   stopping share these, so they compile once (tests and sweeps rely on it).
@@ -200,7 +214,7 @@ def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
   step = train_step.make_train_step(
       model, tx, schedule, seed_key=seed_key, n_micro=n_micro,
       nan_steps=nan_steps)
-  return _Programs(
+  return Programs(
       init=jax.jit(lambda key: nn.unbox(init(key)),
                    out_shardings=state_shardings),
       step=jax.jit(step, in_shardings=(state_shardings, batch_sharding)
@@ -268,7 +282,12 @@ def _evaluate(eval_fn, params, val_batches):
               eval_batch_losses=[round(float(x), 6) for x in losses])
 
 
-def train(config, workdir, callbacks=(), *, override_resume=False):
+def _perplexity(loss):
+  return math.exp(min(loss, 700))
+
+
+def train(config, workdir, callbacks=(), *, override_resume=False,
+          nan_steps=()):
   """Trains (or resumes) the run `config` in `workdir`; returns the summary.
 
   callbacks: each is called as cb(step, state, batch) after every step
@@ -285,6 +304,8 @@ def train(config, workdir, callbacks=(), *, override_resume=False):
   unless `override_resume`, which continues it with the new values. User
   errors (config, data, workdir, a checkpoint that does not fit) raise
   fp4jax.errors.UserError subclasses with a one-line message.
+
+  nan_steps: a test hook, the steps (from 1) whose loss is made NaN.
   """
   t_start = time.time()
   model_cfg, segs, mesh, batches, val_local = _start(config)
@@ -293,35 +314,140 @@ def train(config, workdir, callbacks=(), *, override_resume=False):
   try:
     workdir_lib.check_resume_config(workdir, config, override=override_resume)
     return _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
-                batches, val_local)
+                batches, val_local, nan_steps)
   finally:
     lock.release()
 
 
-def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
-         batches, val_local):
-  """train() once the config is checked and the workdir locked."""
-  recipe = segs[0].recipe
-  init_source = init_from.open_source(config.init_from, model_cfg)
-  micro_batch = _micro_batch(config)
-  main = sharding.is_main_process()
-  segment_programs = [_programs(
-      model_cfg, seg.recipe,
-      tuple((k, config[k]) for k in _OPTIMIZER_KEYS), config.seed,
-      config.batch_size // micro_batch, tuple(config.nan_steps),
-      config.seq_len, mesh, adaptive.switch_target(config.adaptive_wgrad, seg.recipe))
-      for seg in segs]
-  programs = segment_programs[0]
-  abstract = programs.abstract
+@dataclasses.dataclass
+class _Outcome:
+  """Where the training loop stands: its step, its status, the latest losses."""
+  step: int
+  status: str = "completed"
+  message: str = ""
+  last_loss: Any = None      # the last step's training loss
+  eval_loss: Any = None      # the last evaluation's, at eval_step
+  eval_step: Any = None
+  target_tokens: Any = None  # tokens when target_eval_loss was reached
 
+
+@dataclasses.dataclass
+class _Timer:
+  """Seconds of the steps: all, after the first (the compile), since the last row."""
+  total: float = 0.0
+  steps: int = 0
+  steady: float = 0.0
+  pending: float = 0.0
+  pending_steps: int = 0
+
+  def add(self, dt):
+    self.total += dt
+    self.steps += 1
+    if self.steps > 1:
+      self.steady += dt
+    self.pending += dt
+    self.pending_steps += 1
+
+  def rates(self, tokens_per_step):
+    """{step_time_s, tokens_per_s} of the steps since the last row."""
+    return dict(step_time_s=self.pending / self.pending_steps,
+                tokens_per_s=self.pending_steps * tokens_per_step / self.pending)
+
+  def reset_pending(self):
+    self.pending, self.pending_steps = 0.0, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What the training loop works with (fixed for the run)."""
+  config: Any
+  segs: Any              # the recipe schedule's segments
+  programs: Any          # [Programs] of each segment
+  mesh: Any
+  batches: Any           # the training iterator
+  val_batches: Any       # global validation batches
+  controller: Any        # adaptive.Controller or None
+  callbacks: Any
+  ckpts: Any
+  log: Any
+  checkpoint_data: Any   # () -> the checkpoint's JSON item
+  main: bool
+
+  @property
+  def tokens_per_step(self):
+    return self.config.batch_size * self.config.seq_len
+
+
+def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
+         batches, val_local, nan_steps):
+  """train() once the config is checked and the workdir locked."""
+  init_source = init_from.open_source(config.init_from, model_cfg)
+  main = sharding.is_main_process()
+  segment_programs = [make_programs(
+      config, model_cfg, seg.recipe, mesh, nan_steps=nan_steps,
+      switch_wgrad_to=adaptive.switch_target(config.adaptive_wgrad, seg.recipe))
+      for seg in segs]
+  abstract = segment_programs[0].abstract
   ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
                       keep=config.keep_checkpoints,
                       async_save=config.async_checkpointing)
-  restored = ckpts.restore_latest(abstract)
+  state, controller = _first_state(config, model_cfg, segment_programs[0],
+                                   ckpts, batches, init_source)
+  checkpoint_data = functools.partial(_checkpoint_data, batches, controller)
+  start = int(state.step)
+  if main:
+    workdir_lib.set_aside_history(workdir, start)
+  n_params = sum(math.prod(x.shape) for x in
+                 jax.tree.leaves(abstract.params))
+  if main:
+    _write_config(workdir, config, model_cfg, segs, mesh, n_params, start)
+  print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
+        f"{segs[0].recipe.name}, mesh {dict(mesh.shape)}, "
+        + (f"resuming at step {start}" if start else "starting at step 0"),
+        flush=True)
+  val_batches = [sharding.global_batch(b, mesh) for b in val_local]
+  log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
+                   enabled=main)
+  out, timer = _Outcome(step=start), _Timer()
+  with (sharding.use_mesh(mesh), _StopSignals() as signals,
+        _SaveOnError(ckpts, checkpoint_data) as on_error):
+    run = _Run(config=config, segs=segs, mesh=mesh, batches=batches,
+               programs=[dataclasses.replace(p, step=on_error.track(p.step))
+                         for p in segment_programs],
+               val_batches=val_batches, controller=controller,
+               callbacks=callbacks, ckpts=ckpts, log=log,
+               checkpoint_data=checkpoint_data, main=main)
+    state, seg = _loop(run, state, out, timer, signals)
+    if out.eval_loss is None and out.status != "diverged":  # resumed a finished run
+      out.eval_loss = _evaluate(run.programs[seg].eval, state.params,
+                                val_batches)["eval_loss"]
+      out.eval_step = out.step
+    if out.status != "diverged" and out.step > 0:
+      ckpts.save(out.step, state, checkpoint_data())
+    ckpts.wait()
+  ckpts.close()
+  log.close()
+  summary = _summary(config, out, timer, state, segs[0].recipe, n_params,
+                     start, t_start)
+  if controller is not None:
+    summary["wgrad_switches"] = controller.switches()
+  if main:
+    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
+    _print_summary(summary)
+  return summary
+
+
+def _first_state(config, model_cfg, programs, ckpts, batches, init_source):
+  """(TrainState, adaptive.Controller or None) to start from.
+
+  The newest readable checkpoint's (which also sets the data position and the
+  controller's decisions), else a fresh init (with init_source's parameters).
+  """
+  restored = ckpts.restore_latest(programs.abstract)
   if restored is None:
     state = programs.init(programs.params_key)
     if init_source is not None:
-      state = state.replace(params=init_source.load(abstract.params))
+      state = state.replace(params=init_source.load(programs.abstract.params))
   else:
     _, state, data_state = restored
     _restore_data_state(batches, data_state)
@@ -330,143 +456,136 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
     controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed)
     if restored is not None and "adaptive_wgrad" in data_state:
       controller.decisions.load_state_dict(data_state["adaptive_wgrad"])
+  return state, controller
 
-  def checkpoint_data():
-    """The checkpoint's JSON item: data positions and the adaptive switch's decisions."""
-    out = _data_states(batches)
-    if controller is not None:
-      out["adaptive_wgrad"] = controller.decisions.state_dict()
-    return out
 
-  start = int(state.step)
-  if main:
-    workdir_lib.set_aside_history(workdir, start)
-  n_params = sum(math.prod(x.shape) for x in
-                 jax.tree.leaves(abstract.params))
-  if main:
-    resolved = config.to_dict()
-    resolved["resolved"] = dict(
-        model=dataclasses.asdict(model_cfg), recipe=recipe.to_config().to_dict(),
-        n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
-        resumed_from_step=start,
-        quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
-    workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
-  print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
-        f"{recipe.name}, mesh {dict(mesh.shape)}, "
-        + (f"resuming at step {start}" if start else "starting at step 0"),
-        flush=True)
+def _checkpoint_data(batches, controller):
+  """The checkpoint's JSON item: data positions and the adaptive switch's decisions."""
+  out = _data_states(batches)
+  if controller is not None:
+    out["adaptive_wgrad"] = controller.decisions.state_dict()
+  return out
 
-  val_batches = [sharding.global_batch(b, mesh) for b in val_local]
-  tokens_per_step = config.batch_size * config.seq_len
-  log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
-                   enabled=main)
-  status, message = "completed", ""
-  eval_loss = eval_step = target_tokens = last_loss = None
-  train_time, train_steps, steady_time = 0.0, 0, 0.0
-  pending_time, pending_steps = 0.0, 0
-  step = start
-  with (sharding.use_mesh(mesh), _StopSignals() as signals,
-        _SaveOnError(ckpts, checkpoint_data) as on_error):
-    segment_programs = [dataclasses.replace(p, step=on_error.track(p.step))
-                        for p in segment_programs]
-    programs = segment_programs[schedule.segment_index(segs, start)]
-    if start == 0:
-      evaluation, eval_step = _evaluate(programs.eval, state.params, val_batches), 0
-      eval_loss = evaluation["eval_loss"]
-      log.write(dict(step=0, tokens=0, **evaluation,
-                     eval_perplexity=math.exp(min(eval_loss, 700))))
-    while step < config.steps:
-      if signals.received:
-        status = "interrupted"
-        message = f"stopped by {signals.received} at step {step}"
-        break
-      seg = schedule.segment_index(segs, step)
-      programs = segment_programs[seg]
-      switched = seg > 0 and segs[seg].start == step
-      t0 = time.time()
-      batch = sharding.global_batch(next(batches), mesh)
-      flags = (_replicated(controller.flags(), mesh),) if programs.switchable else ()
-      state, metrics = programs.step(state, batch, *flags)
-      metrics = jax.device_get(metrics)
-      dt = time.time() - t0
-      step += 1
-      train_time += dt
-      train_steps += 1
-      if train_steps > 1:
-        steady_time += dt
-      pending_time += dt
-      pending_steps += 1
-      last_loss = float(metrics["loss"])
-      row = dict(step=step, tokens=step * tokens_per_step, loss=last_loss,
-                 lr=float(metrics["lr"]), grad_norm=float(metrics["grad_norm"]),
-                 step_time_s=pending_time / pending_steps,
-                 tokens_per_s=pending_steps * tokens_per_step / pending_time,
-                 skipped_steps=int(metrics["skipped"]))
-      extra = {"recipe": segs[seg].recipe.name} if switched else {}
-      if controller is not None:
-        extra.update(controller.after_step(step, segs[seg].recipe, state.params, batch,
-                                           log=functools.partial(print, flush=True) if main
+
+def _write_config(workdir, config, model_cfg, segs, mesh, n_params, start):
+  """WORKDIR/config.json: the config and what it resolved to."""
+  resolved = config.to_dict()
+  resolved["resolved"] = dict(
+      model=dataclasses.asdict(model_cfg),
+      recipe=segs[0].recipe.to_config().to_dict(),
+      n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
+      resumed_from_step=start,
+      quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
+  workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
+
+
+def _loop(run, state, out, timer, signals):
+  """Trains from out.step until config.steps or a stop (out.status says which).
+
+  Returns (state, index of the segment whose programs ran last).
+  """
+  config = run.config
+  seg = schedule.segment_index(run.segs, out.step)
+  if out.step == 0:
+    evaluation = _evaluate(run.programs[seg].eval, state.params, run.val_batches)
+    out.eval_loss, out.eval_step = evaluation["eval_loss"], 0
+    run.log.write(dict(step=0, tokens=0, **evaluation,
+                       eval_perplexity=_perplexity(out.eval_loss)))
+  while out.step < config.steps:
+    if signals.received:
+      out.status = "interrupted"
+      out.message = f"stopped by {signals.received} at step {out.step}"
+      break
+    seg = schedule.segment_index(run.segs, out.step)
+    switched = seg > 0 and run.segs[seg].start == out.step
+    state, metrics, batch = _advance(run, state, seg, out, timer)
+    row = dict(step=out.step, tokens=out.step * run.tokens_per_step,
+               loss=out.last_loss, lr=float(metrics["lr"]),
+               grad_norm=float(metrics["grad_norm"]),
+               **timer.rates(run.tokens_per_step),
+               skipped_steps=int(metrics["skipped"]))
+    extra = _extra(run, seg, switched, out.step, state, batch)
+    row.update(extra)
+    evaluated = out.step % config.eval_every == 0 or out.step == config.steps
+    if evaluated:
+      evaluation = _evaluate(run.programs[seg].eval, state.params, run.val_batches)
+      out.eval_loss, out.eval_step = evaluation["eval_loss"], out.step
+      row.update(**evaluation, eval_perplexity=_perplexity(out.eval_loss))
+    bad_in_row = int(metrics["bad_in_row"])
+    _check_stop(run, out, bad_in_row, evaluated, row)
+    if (evaluated or extra or out.step % config.log_every == 0
+        or out.status != "completed"):
+      run.log.write(row)
+      timer.reset_pending()
+    if out.status != "completed":
+      break
+    if out.step % config.checkpoint_every == 0 and bad_in_row == 0:
+      run.ckpts.save(out.step, state, run.checkpoint_data())
+  return state, seg
+
+
+def _advance(run, state, seg, out, timer):
+  """Runs one step with segment `seg`'s programs; returns (state, metrics, batch)."""
+  programs = run.programs[seg]
+  t0 = time.time()
+  batch = sharding.global_batch(next(run.batches), run.mesh)
+  flags = (_replicated(run.controller.flags(), run.mesh),) if programs.switchable else ()
+  state, metrics = programs.step(state, batch, *flags)
+  metrics = jax.device_get(metrics)
+  timer.add(time.time() - t0)
+  out.step += 1
+  out.last_loss = float(metrics["loss"])
+  return state, metrics, batch
+
+
+def _extra(run, seg, switched, step, state, batch):
+  """The metrics row's additions: a recipe switch, the adaptive switch's, the callbacks'."""
+  extra = {"recipe": run.segs[seg].recipe.name} if switched else {}
+  if run.controller is not None:
+    extra.update(run.controller.after_step(step, run.segs[seg].recipe, state.params, batch,
+                                           log=functools.partial(print, flush=True) if run.main
                                            else lambda _: None))
-      for cb in callbacks:
-        extra.update(cb(step, state, batch) or {})
-      row.update(extra)
-      evaluated = step % config.eval_every == 0 or step == config.steps
-      if evaluated:
-        evaluation, eval_step = _evaluate(programs.eval, state.params, val_batches), step
-        eval_loss = evaluation["eval_loss"]
-        row.update(**evaluation,
-                   eval_perplexity=math.exp(min(eval_loss, 700)))
-      bad_in_row = int(metrics["bad_in_row"])
-      if bad_in_row >= config.max_bad_steps:
-        status = "diverged"
-        ckpts.wait()
-        kept = ckpts.steps()
-        message = (f"stopped at step {step}: {bad_in_row} steps in a row had "
+  for cb in run.callbacks:
+    extra.update(cb(step, state, batch) or {})
+  return extra
+
+
+def _check_stop(run, out, bad_in_row, evaluated, row):
+  """Sets out.status to "diverged" or "target_reached" when the step calls for it."""
+  config, step = run.config, out.step
+  if bad_in_row >= config.max_bad_steps:
+    out.status = "diverged"
+    run.ckpts.wait()
+    kept = run.ckpts.steps()
+    out.message = (f"stopped at step {step}: {bad_in_row} steps in a row had "
                    f"a non-finite loss or gradient (max_bad_steps="
                    f"{config.max_bad_steps}); none of them was applied. "
                    + (f"The last good checkpoint (step {kept[-1]}) is kept."
                       if kept else "No checkpoint had been saved yet."))
-      elif (evaluated and config.target_eval_loss is not None
-            and eval_loss <= config.target_eval_loss):
-        status, target_tokens = "target_reached", step * tokens_per_step
-        message = (f"eval_loss {eval_loss:.4f} <= target "
+  elif (evaluated and config.target_eval_loss is not None
+        and out.eval_loss <= config.target_eval_loss):
+    out.status, out.target_tokens = "target_reached", step * run.tokens_per_step
+    out.message = (f"eval_loss {out.eval_loss:.4f} <= target "
                    f"{config.target_eval_loss} at step {step} after "
-                   f"{target_tokens:,} tokens")
-        row["target_reached"] = True
-      if (evaluated or extra or step % config.log_every == 0
-          or status != "completed"):
-        log.write(row)
-        pending_time, pending_steps = 0.0, 0
-      if status != "completed":
-        break
-      if step % config.checkpoint_every == 0 and bad_in_row == 0:
-        ckpts.save(step, state, checkpoint_data())
-    if eval_loss is None and status != "diverged":  # resumed a finished run
-      eval_loss = _evaluate(programs.eval, state.params, val_batches)["eval_loss"]
-      eval_step = step
-    if status != "diverged" and step > 0:
-      ckpts.save(step, state, checkpoint_data())
-    ckpts.wait()
-  ckpts.close()
-  log.close()
-  summary = dict(
-      status=status, message=message, step=step,
-      tokens=step * tokens_per_step, final_loss=last_loss,
-      final_eval_loss=eval_loss, final_eval_step=eval_step,
-      final_eval_perplexity=(math.exp(min(eval_loss, 700))
-                             if eval_loss is not None else None),
-      target_eval_loss=config.target_eval_loss, target_tokens=target_tokens,
+                   f"{out.target_tokens:,} tokens")
+    row["target_reached"] = True
+
+
+def _summary(config, out, timer, state, recipe, n_params, start, t_start):
+  """The run's summary.json (see train())."""
+  tokens_per_step = config.batch_size * config.seq_len
+  return dict(
+      status=out.status, message=out.message, step=out.step,
+      tokens=out.step * tokens_per_step, final_loss=out.last_loss,
+      final_eval_loss=out.eval_loss, final_eval_step=out.eval_step,
+      final_eval_perplexity=(_perplexity(out.eval_loss)
+                             if out.eval_loss is not None else None),
+      target_eval_loss=config.target_eval_loss, target_tokens=out.target_tokens,
       skipped_steps=int(state.skipped), recipe=recipe.name,
       model=config.model.name, n_params=n_params, resumed_from_step=start,
-      wall_time_s=time.time() - t_start, train_time_s=train_time,
-      tokens_per_s=((train_steps - 1) * tokens_per_step / steady_time
-                    if steady_time > 0 else None))
-  if controller is not None:
-    summary["wgrad_switches"] = controller.switches()
-  if main:
-    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
-    _print_summary(summary)
-  return summary
+      wall_time_s=time.time() - t_start, train_time_s=timer.total,
+      tokens_per_s=((timer.steps - 1) * tokens_per_step / timer.steady
+                    if timer.steady > 0 else None))
 
 
 def _print_summary(s):
