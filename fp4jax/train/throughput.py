@@ -15,8 +15,11 @@ number compares across recipes and machines.
 
 MFU = model FLOP/s per device / the device's dense bf16 peak. The peak comes
 from `peak_tflops` (config key; 0 = look the device up in PEAK_BF16_TFLOPS);
-devices not in the table (the CPU among them) get no MFU.
+devices not in the table (the CPU among them) get no MFU. `Meter` is what
+the trainer uses.
 """
+
+import jax
 
 # Dense (no sparsity) bf16 matrix peaks of the SXM / OAM parts, TFLOP/s.
 # Matched as a case-insensitive substring of jax's device_kind.
@@ -66,3 +69,15 @@ def metrics(tokens_per_s, flops_per_token_, n_devices, peak):
   if peak:
     out["mfu"] = tflops / peak
   return out
+
+
+class Meter:
+  """meter(tokens_per_s) -> `metrics` of a run's model on this process's devices."""
+
+  def __init__(self, n_params, model_cfg, seq_len, peak_override=0.0):
+    self.flops_per_token = flops_per_token(n_params, model_cfg, seq_len)
+    self.peak = peak_tflops(jax.devices()[0].device_kind, peak_override)
+    self.n_devices = jax.device_count()
+
+  def __call__(self, tokens_per_s):
+    return metrics(tokens_per_s, self.flops_per_token, self.n_devices, self.peak)

@@ -26,12 +26,11 @@ def check(config):
 
 
 def open_run(config, workdir, run_config):
-  """A sink for MetricsLog (write(row), close()), or None when disabled.
+  """Starts (or resumes) the W&B run of `workdir`; returns a MetricsLog sink
+  (write(row), close()).
 
   run_config: the resolved config (a dict), shown as the run's config.
   """
-  if not config.enabled:
-    return None
   import wandb  # pylint: disable=g-import-not-at-top
   id_path = os.path.join(workdir, "wandb_id")
   if os.path.exists(id_path):
