@@ -36,6 +36,12 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   mesh, distributed           fp4jax.sharding.mesh_config(), distributed_config()
   init_from                   "" or the parameters to start from: a Hugging Face
                               Llama directory or an fp4jax run (fp4jax.train.init_from)
+  profile                     fp4jax.train.profile.profile_config(): a jax.profiler
+                              trace of a few steps (enabled, start_step, steps)
+  peak_tflops                 the device's dense bf16 peak for MFU; 0 = the table
+                              in fp4jax.train.throughput (no MFU where unknown)
+  wandb                       fp4jax.train.wandb_log.wandb_config(): Weights &
+                              Biases logging (enabled, project, name)
 """
 
 import dataclasses
@@ -45,6 +51,8 @@ import ml_collections
 from ml_collections import config_dict
 
 from fp4jax.train import adaptive
+from fp4jax.train import profile
+from fp4jax.train import wandb_log
 from fp4jax.data import pipeline
 from fp4jax import errors
 from fp4jax.llama import model as model_lib
@@ -128,6 +136,9 @@ def base_config():
       mesh=sharding.mesh_config(),
       distributed=sharding.distributed_config(),
       init_from="",            # HF Llama dir or fp4jax run; "" = random init
+      profile=profile.profile_config(),  # a trace of a few steps: fp4jax.train.profile
+      peak_tflops=0.0,         # dense bf16 peak per device for MFU; 0 = fp4jax.train.throughput's table
+      wandb=wandb_log.wandb_config(),    # Weights & Biases: fp4jax.train.wandb_log
   ))
 
 
@@ -181,3 +192,8 @@ def check(config):
   if config.warmup_steps < 0:
     raise ValueError(f"config.warmup_steps must be >= 0, got "
                      f"{config.warmup_steps}")
+  if config.peak_tflops < 0:
+    raise ValueError(f"config.peak_tflops must be >= 0 (0 = the device "
+                     f"table's), got {config.peak_tflops}")
+  profile.check(config.profile)
+  wandb_log.check(config.wandb)

@@ -98,10 +98,13 @@ class MetricsLog:
 
   `start_step` is the step the run (re)starts from: rows a killed run wrote
   after it (all rows, for a fresh start at step 0, which logs step 0 again)
-  are dropped so the file describes one consistent history.
+  are dropped so the file describes one consistent history. `sinks`: more
+  destinations of the rows, each with write(row) and close() (e.g.
+  fp4jax.train.wandb_log).
   """
 
-  def __init__(self, workdir, *, total_steps, start_step, enabled=True):
+  def __init__(self, workdir, *, total_steps, start_step, enabled=True,
+               sinks=()):
     self.enabled = enabled
     self.total_steps = total_steps
     self._path = os.path.join(workdir, "metrics.jsonl")
@@ -109,6 +112,7 @@ class MetricsLog:
     self._t0 = time.time()
     self._start_step = start_step
     self._tb = None
+    self._sinks = tuple(sinks)
     if enabled:
       _truncate_after(self._path, start_step if start_step else -1)
       self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
@@ -123,6 +127,8 @@ class MetricsLog:
         if k != "step" and isinstance(v, (int, float)):
           self._tb.add_scalar(k, v, row["step"])
       self._tb.flush()
+    for sink in self._sinks:
+      sink.write(row)
     self._progress(row)
 
   def _progress(self, row):
@@ -149,6 +155,8 @@ class MetricsLog:
   def close(self):
     if self._tb is not None:
       self._tb.close()
+    for sink in self._sinks:
+      sink.close()
     if self.enabled and self._tty:
       sys.stdout.write("\n")
 

@@ -39,6 +39,9 @@ from fp4jax.train import adaptive
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
+from fp4jax.train import profile
+from fp4jax.train import throughput
+from fp4jax.train import wandb_log
 from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
 from fp4jax import errors
@@ -403,6 +406,8 @@ class _Run:
   log: Any
   checkpoint_data: Any   # () -> the checkpoint's JSON item
   main: bool
+  meter: Any             # throughput.Meter: tokens/s -> model TFLOP/s per device, MFU
+  window: Any            # profile.Window
 
   @property
   def tokens_per_step(self):
@@ -440,8 +445,12 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
         + (f"resuming at step {start}" if start else "starting at step 0"),
         flush=True)
   val_batches = [sharding.global_batch(b, mesh) for b in val_local]
+  sinks = ([wandb_log.open_run(config.wandb, workdir, config.to_dict())]
+           if main and config.wandb.enabled else [])
   log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
-                   enabled=main)
+                   enabled=main, sinks=sinks)
+  meter = throughput.Meter(n_params, model_cfg, config.seq_len, config.peak_tflops)
+  window = profile.Window(config.profile, workdir, first_step=start + 1)
   out, timer = _Outcome(step=start, stall=stall.StallWatch(
       model_cfg.vocab_size, after_step=config.warmup_steps)), _Timer()
   with (sharding.use_mesh(mesh), _StopSignals() as signals,
@@ -451,7 +460,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                          for p in segment_programs],
                val_batches=val_batches, controller=controller,
                callbacks=callbacks, ckpts=ckpts, log=log,
-               checkpoint_data=checkpoint_data, main=main)
+               checkpoint_data=checkpoint_data, main=main, meter=meter,
+               window=window)
     state, seg = _loop(run, state, out, timer, signals)
     if out.eval_loss is None and out.status != "diverged":  # resumed a finished run
       out.eval_loss = _evaluate(run.programs[seg].eval, state.params,
@@ -460,12 +470,15 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
     if out.status != "diverged" and out.step > 0:
       ckpts.save(out.step, state, checkpoint_data())
     ckpts.wait()
+  window.close()
   ckpts.close()
   log.close()
   if out.status == "completed" and out.stall.found:
     out.status, out.message = "stalled", f"the run {out.stall.found}"
   summary = _summary(config, out, timer, state, segs[0].recipe, n_params,
                      start, t_start)
+  summary.update({"model_tflops_per_device": None, "mfu": None,
+                  **(meter(summary["tokens_per_s"]) if summary["tokens_per_s"] else {})})
   if controller is not None:
     summary["wgrad_switches"] = controller.switches()
   if main:
@@ -546,6 +559,7 @@ def _loop(run, state, out, timer, signals):
                grad_norm=float(metrics["grad_norm"]),
                **timer.rates(run.tokens_per_step),
                skipped_steps=int(metrics["skipped"]))
+    row.update(run.meter(row["tokens_per_s"]))
     extra = _extra(run, seg, switched, out.step, state, batch)
     row.update(extra)
     warning = out.stall.update(out.step, out.last_loss, row["grad_norm"])
@@ -575,10 +589,12 @@ def _advance(run, state, seg, out, timer):
   t0 = time.time()
   batch = sharding.global_batch(next(run.batches), run.mesh)
   flags = (_replicated(run.controller.flags(), run.mesh),) if programs.switchable else ()
+  run.window.before(out.step + 1)
   state, metrics = programs.step(state, batch, *flags)
   metrics = jax.device_get(metrics)
   timer.add(time.time() - t0)
   out.step += 1
+  run.window.after(out.step)
   out.last_loss = float(metrics["loss"])
   return state, metrics, batch
 
@@ -644,6 +660,8 @@ def _print_summary(s):
             (f"final eval perplexity{at}", s["final_eval_perplexity"], ".2f"),
             ("skipped steps", s["skipped_steps"], ","),
             ("tokens/s (after compile)", s["tokens_per_s"], ",.0f"),
+            ("model TFLOP/s per device", s["model_tflops_per_device"], ",.3f"),
+            ("MFU (dense bf16 peak)", s["mfu"], ".1%"),
             ("wall time (s)", s["wall_time_s"], ".1f"))
   for name, value, fmt in fields:
     if value is not None:

@@ -45,7 +45,8 @@ from fp4jax.train import metrics_log
 # `steps` may grow or shrink: the cosine schedule follows the new value.
 RESUMABLE_KEYS = ("steps", "eval_every", "log_every", "checkpoint_every",
                   "keep_checkpoints", "async_checkpointing", "target_eval_loss",
-                  "max_bad_steps", "mesh", "distributed", "quant.residuals")
+                  "max_bad_steps", "mesh", "distributed", "quant.residuals",
+                  "profile", "peak_tflops", "wandb")
 
 LOCK_FILE = "lock"
 

@@ -1,0 +1,102 @@
+"""MaxText's own training loop with an fp4jax recipe in place:
+
+  python -m fp4jax.maxtext.train <MaxText config.yml> [key=value ...] fp4jax_recipe=NAME
+
+Every argument but `fp4jax_recipe` goes to MaxText's trainer
+(maxtext.trainers.pre_train.train) as it is. The recipe enters through
+MaxText's `configure_quantization`, replaced in memory (MaxText's files are
+not touched) by one that returns fp4jax.maxtext.quantization's object. Bad
+input (an unknown or random recipe, MaxText's own `quantization` set too,
+per-device tokens that 32 does not divide, MaxText not installed) is one
+line on stderr and exit status 2.
+"""
+
+import sys
+
+from fp4jax import errors
+from fp4jax.maxtext import recipe
+
+PROG = "fp4jax.maxtext.train"
+FLAG = "fp4jax_recipe="
+
+
+def split_recipe(argv):
+  """(recipe name, the other arguments) of a command line (without argv[0])."""
+  names = [a[len(FLAG):] for a in argv if a.startswith(FLAG)]
+  if len(names) != 1:
+    raise errors.UserError(f"give {FLAG}NAME once (got {len(names)}); usage: python -m "
+                           f"{PROG} <MaxText config.yml> [key=value ...] {FLAG}NAME")
+  return names[0], [a for a in argv if not a.startswith(FLAG)]
+
+
+def _dtype_name(dtype):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  return jnp.dtype(dtype).name
+
+
+def quantization_for(name, config):
+  """The Fp4jaxQuantization of recipe `name` for a MaxText config (UserError if it cannot take it)."""
+  from fp4jax.maxtext.quantization import Fp4jaxQuantization  # pylint: disable=g-import-not-at-top
+  if config.quantization:
+    raise errors.UserError(f"{FLAG}{name} replaces MaxText's quantization; drop "
+                           f"quantization={config.quantization!r}")
+  tokens = config.per_device_batch_size * config.max_target_length
+  if tokens % recipe.BLOCK_SIZE:
+    raise errors.UserError(
+        f"per-device tokens per_device_batch_size x max_target_length = "
+        f"{config.per_device_batch_size} x {config.max_target_length} = {tokens:g} must be "
+        f"a multiple of {recipe.BLOCK_SIZE} (Wgrad's MX blocks run along the tokens)")
+  return Fp4jaxQuantization(recipe=_recipe(name, _dtype_name(config.dtype)))
+
+
+def _recipe(name, dtype):
+  try:
+    return recipe.recipe_for(name, dtype)
+  except ValueError as e:
+    raise errors.UserError(str(e)) from None
+
+
+def install(name):
+  """Makes MaxText's configure_quantization return recipe `name`'s object."""
+  from maxtext.layers import quantizations  # pylint: disable=g-import-not-at-top
+
+  announced = []
+
+  def configure_quantization(config, quant_mode_str="train"):
+    del quant_mode_str
+    quant = quantization_for(name, config)
+    if not announced:
+      print(f"fp4jax.maxtext: MaxText's projections run recipe {name}", flush=True)
+      announced.append(True)
+    return quant
+
+  quantizations.configure_quantization = configure_quantization
+
+
+def main(argv=None):
+  argv = sys.argv if argv is None else argv
+  try:
+    name, rest = split_recipe(argv[1:])
+    _recipe(name, "bfloat16")  # an unknown or random name fails before MaxText loads
+    try:
+      from absl import app  # pylint: disable=g-import-not-at-top
+      from maxtext.trainers.pre_train import train  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise errors.UserError(f"MaxText is not installed ({e}); pip install -e \".[maxtext]\" "
+                             "(Python >= 3.12)") from None
+    install(name)
+  except errors.UserError as e:
+    return errors.report(PROG, e)
+
+  def run(args):
+    try:
+      train.main(args)
+    except errors.UserError as e:
+      sys.exit(errors.report(PROG, e))
+
+  app.run(run, argv=[argv[0]] + rest)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
