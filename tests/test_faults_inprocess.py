@@ -31,7 +31,9 @@ from fp4jax.train import stall
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.train.metrics_log import read_metrics
-from tests.test_trainer import tiny_config
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
 
 STEPS = dict(async_checkpointing=False)  # 8 steps, checkpoints at 4 and 8
 

@@ -32,6 +32,8 @@ from fp4jax import dot
 from fp4jax.maxtext.quantization import Fp4jaxQuantization
 from fp4jax.maxtext.recipe import recipe_for
 
+pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
+
 BASE = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
 TINY = ["model_name=default", "base_emb_dim=128", "base_num_query_heads=4",
         "base_num_kv_heads=2", "base_mlp_dim=256", "base_num_decoder_layers=2",

@@ -18,6 +18,8 @@ from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
 from test_trainer import tiny_config
 
+pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
+
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 # tiny_config's model: dim 64, 1 layer, 2 heads of 32, 1 kv head, mlp 64,
