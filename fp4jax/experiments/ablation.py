@@ -91,7 +91,8 @@ _OWN_KEYS = ("ablation", "diagnostics")
 def ablation_config() -> ml_collections.ConfigDict:
   """Defaults of the `ablation` block (see the module docstring)."""
   return ml_collections.ConfigDict(dict(
-      recipes=",".join(DEFAULT_RECIPES), arms="", declaration="", seeds=1, recipe_seeds="", baseline="fp8",
+      recipes=",".join(DEFAULT_RECIPES), seeds=1, recipe_seeds="", baseline="fp8",
+      arms="", declaration="",
       target_loss=config_dict.placeholder(float), target_at=1.0,
       diverge_loss=config_dict.placeholder(float), zoom=0.5, margin=0.01, late_from=0.5,
       compilation_cache="~/.cache/fp4jax/jax"))
@@ -229,11 +230,8 @@ def run_ablation(config, workdir, results=None, git_commit=False) -> list:
   workdir_lib.prepare(workdir)
   workdir_lib.prepare(out)
   if config.ablation.declaration:
-    done = [os.path.basename(p) for _, _, p in runs
-            if _status(p) in committed.FINISHED or _published(results, p)]
-    recorded = declaration.record(config.ablation.declaration, out, done)
-    if git_commit:
-      committed.git_commit([recorded], f"{out}: declaration recorded")
+    _record_declaration(config.ablation.declaration, out, [p for _, _, p in runs], results,
+                        git_commit)
   for folder in {workdir, out}:
     with open(os.path.join(folder, "ablation_config.json"), "w") as f:
       f.write(config.to_json(indent=2))
@@ -263,6 +261,29 @@ def run_ablation(config, workdir, results=None, git_commit=False) -> list:
   if git_commit:
     committed.git_commit([results], f"{results}: report")
   return rows
+
+
+def _record_declaration(path, folder, run_paths, results, git_commit):
+  """Records the declaration `path` in `folder` before the study's first run;
+  UserError when it changed since, or when runs finished before any record."""
+  state = declaration.status(folder, path)
+  if state == "changed":
+    raise errors.UserError(
+        f"the declaration {path!r} changed after the study began (recorded in "
+        f"{os.path.join(folder, declaration.RECORD)}); restore it (git checkout) or start a "
+        "new study in another results folder")
+  if state == "declared":
+    return
+  done = [os.path.basename(p) for p in run_paths
+          if _status(p) in committed.FINISHED or _published(results, p)]
+  if done:
+    raise errors.UserError(
+        f"the declaration {path!r} was not recorded before the first run ({len(done)} runs "
+        f"finished: {', '.join(done[:3])}); a declared study starts with no finished runs")
+  declaration.record(folder, path)
+  if git_commit:
+    committed.git_commit([os.path.join(folder, declaration.RECORD), path],
+                         f"{folder}: declaration recorded before the first run")
 
 
 def _published(results, path):
