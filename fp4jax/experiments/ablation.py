@@ -15,8 +15,9 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
   ablation.recipe_seeds  fewer seeds for some recipes, e.g. "bf16:2,mxfp4-dh32:2"
                          (each recipe runs the first N of the seeds)
-  ablation.margin        nats: the smallest effect a verdict calls meaningful
-                         (fp4jax.experiments.stats.contrast_verdict)
+  ablation.declaration   the study's declaration file (fp4jax.experiments.declaration):
+                         its hash is recorded in WORKDIR before the first run;
+                         "" = WORKDIR/DECLARATION.json if present, else no verdicts
   ablation.late_from     the token multiplier uses evaluations after this
                          fraction of the tokens
   ablation.compilation_cache  JAX's persistent compilation cache directory,
@@ -65,6 +66,7 @@ from fp4jax.train import config as train_config
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
+from fp4jax.experiments import declaration
 from fp4jax.experiments import report
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -79,7 +81,7 @@ def ablation_config() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       recipes=",".join(DEFAULT_RECIPES), seeds=1, recipe_seeds="", baseline="fp8",
       target_loss=config_dict.placeholder(float), target_at=1.0,
-      diverge_loss=config_dict.placeholder(float), zoom=0.5, margin=0.01, late_from=0.5,
+      diverge_loss=config_dict.placeholder(float), zoom=0.5, declaration="", late_from=0.5,
       compilation_cache="~/.cache/fp4jax/jax"))
 
 
@@ -184,6 +186,8 @@ def run_ablation(config, workdir) -> list:
   counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
   workdir_lib.prepare(workdir)
+  if config.ablation.declaration:
+    declaration.record(workdir, config.ablation.declaration)
   with open(os.path.join(workdir, "ablation_config.json"), "w") as f:
     f.write(config.to_json(indent=2))
   if config.ablation.compilation_cache:
@@ -218,7 +222,7 @@ def _report(config, workdir, names):
   rows = report.write_report(
       workdir, names, baseline=ab.baseline, target=ab.target_loss,
       diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
-      margin=ab.margin, late_from=ab.late_from,
+      late_from=ab.late_from, declaration=ab.declaration or None,
       window=config.diagnostics.window if config.diagnostics.enabled else None)
   with open(os.path.join(workdir, "table.md")) as f:
     print(f.read(), flush=True)
