@@ -21,13 +21,15 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.arms          instead of recipes: named arms separated by ";",
                          NAME=PRESET:KEY=VALUE,... (fp4jax.experiments.arms);
                          the run folders and the report use the arm names
-  ablation.declaration   "" or the study's declaration file, recorded before
-                         its first run (fp4jax.experiments.declaration)
+  ablation.declaration   the study's declaration file (fp4jax.experiments.declaration):
+                         its hash is recorded in the results folder (or WORKDIR)
+                         before the first run; a changed one is refused, and so
+                         is one first recorded after runs finished; "" = the
+                         folder's DECLARATION.json if present (for the report), else
+                         no verdicts
   ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
   ablation.recipe_seeds  fewer seeds for some recipes or arms, e.g. "bf16:2,A3:2"
                          (each runs the first N of the seeds)
-  ablation.margin        nats: the smallest effect a verdict calls meaningful
-                         (fp4jax.experiments.stats.contrast_verdict)
   ablation.late_from     the token multiplier uses evaluations after this
                          fraction of the tokens
   ablation.compilation_cache  JAX's persistent compilation cache directory,
@@ -94,7 +96,7 @@ def ablation_config() -> ml_collections.ConfigDict:
       recipes=",".join(DEFAULT_RECIPES), seeds=1, recipe_seeds="", baseline="fp8",
       arms="", declaration="",
       target_loss=config_dict.placeholder(float), target_at=1.0,
-      diverge_loss=config_dict.placeholder(float), zoom=0.5, margin=0.01, late_from=0.5,
+      diverge_loss=config_dict.placeholder(float), zoom=0.5, late_from=0.5,
       compilation_cache="~/.cache/fp4jax/jax"))
 
 
@@ -310,7 +312,7 @@ def _report(config, workdir, names):
   rows = report.write_report(
       workdir, names, baseline=ab.baseline, target=ab.target_loss,
       diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
-      margin=ab.margin, late_from=ab.late_from,
+      late_from=ab.late_from, declaration=ab.declaration or None,
       window=config.diagnostics.window if config.diagnostics.enabled else None)
   with open(os.path.join(workdir, "table.md")) as f:
     print(f.read(), flush=True)

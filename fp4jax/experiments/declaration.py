@@ -1,21 +1,111 @@
 """A study's rules, declared in a file before its first run, and proof of when.
 
-The ablation runner calls `record(folder, path)` before its first run: it
-writes FOLDER/declaration_record.json (the file's SHA-256 and the time) once
-and never overwrites it. `status(folder, path)` compares: "declared" (same
+The file (JSON, committed with the study, e.g. results/<study>/DECLARATION.json):
+
+  {"study": "ablation_tiny",
+   "baseline": "fp8",                 the recipe every claim is paired against
+   "primary": "late_mean",            per seed and recipe: "late_mean", the mean
+                                      validation loss over the evaluations at
+                                      tokens >= late_from x the last, or "final"
+   "late_from": 0.5,
+   "smallest_effect_tokens": 0.05,    the smallest effect of interest, as extra
+                                      tokens; in nats through the baseline's
+                                      own late slope dL/d ln(tokens)
+   "alpha": 0.05, "correction": "holm", "power": 0.8,
+   "claims": [{"text": "...", "contrasts": [
+       {"label": "mxfp4-sr - mxfp4", "weights": {"mxfp4-sr": 1, "mxfp4": -1},
+        "direction": ">"}]}]}       ">", "<" or "!=" (fp4jax.experiments.inference)
+
+A claim holds when all its contrasts do; its p-value is the largest of its
+contrasts' (intersection-union), and Holm runs over the claims.
+
+The ablation runner calls `record(workdir, path)` before its first run: it
+writes WORKDIR/declaration_record.json (the file's SHA-256 and the time) once
+and never overwrites it. `status(workdir, path)` compares: "declared" (same
 hash), "changed" (the file differs from the one recorded at the start) or
 "undeclared" (nothing was recorded: the rules came after the runs, so any
 verdict is exploratory).
 """
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import os
 
 from fp4jax import errors
+from fp4jax.experiments import inference
 
 RECORD = "declaration_record.json"
+PRIMARY = ("late_mean", "final")
+CORRECTIONS = ("holm",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+  """sum_r weights[r] * primary[r] per seed; `direction` of the claimed effect."""
+  label: str
+  weights: dict
+  direction: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  text: str
+  contrasts: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+  study: str
+  baseline: str
+  primary: str
+  late_from: float
+  smallest_effect_tokens: float
+  alpha: float
+  correction: str
+  power: float
+  claims: tuple
+  path: str = ""
+
+
+def _need(cond, path, message):
+  if not cond:
+    raise errors.UserError(f"declaration {path!r}: {message}")
+
+
+def load(path) -> Declaration:
+  """The Declaration in `path`; UserError naming the bad entry."""
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise errors.UserError(f"cannot read the declaration {path!r}: {e}") from None
+  keys = ("study", "baseline", "primary", "late_from", "smallest_effect_tokens", "alpha",
+          "correction", "power", "claims")
+  missing = [k for k in keys if k not in raw]
+  _need(not missing, path, f"missing {', '.join(missing)}")
+  _need(raw["primary"] in PRIMARY, path,
+        f"primary {raw['primary']!r} is not one of {', '.join(PRIMARY)}")
+  _need(raw["correction"] in CORRECTIONS, path,
+        f"correction {raw['correction']!r} is not one of {', '.join(CORRECTIONS)}")
+  for key in ("late_from", "alpha", "power"):
+    _need(0 < raw[key] < 1, path, f"{key} must lie in (0, 1), got {raw[key]!r}")
+  _need(raw["smallest_effect_tokens"] > 0, path, "smallest_effect_tokens must be > 0")
+  _need(raw["claims"], path, "no claims")
+  claims = []
+  for c in raw["claims"]:
+    _need(c.get("contrasts"), path, f"claim {c.get('text')!r} has no contrasts")
+    contrasts = []
+    for k in c["contrasts"]:
+      _need(k.get("direction") in inference.DIRECTIONS, path,
+            f"contrast {k.get('label')!r}: direction {k.get('direction')!r} is not one of "
+            f"{', '.join(inference.DIRECTIONS)}")
+      contrasts.append(Contrast(k["label"], dict(k["weights"]), k["direction"]))
+    claims.append(Claim(c["text"], tuple(contrasts)))
+  return Declaration(raw["study"], raw["baseline"], raw["primary"], float(raw["late_from"]),
+                     float(raw["smallest_effect_tokens"]), float(raw["alpha"]),
+                     raw["correction"], float(raw["power"]), tuple(claims), str(path))
 
 
 def file_hash(path) -> str:
@@ -34,9 +124,7 @@ def read_record(workdir) -> dict | None:
 
 def record(workdir, path) -> dict:
   """Writes WORKDIR/declaration_record.json for `path` unless one exists; returns the record."""
-  if not os.path.isfile(path):
-    raise errors.UserError(f"the declaration {path!r} does not exist; a study declares its "
-                           "rules in that file before its first run")
+  load(path)
   existing = read_record(workdir)
   if existing is not None:
     return existing
@@ -53,4 +141,4 @@ def status(workdir, path) -> str:
   rec = read_record(workdir)
   if rec is None:
     return "undeclared"
-  return "declared" if os.path.isfile(path) and rec["sha256"] == file_hash(path) else "changed"
+  return "declared" if rec["sha256"] == file_hash(path) else "changed"
