@@ -9,7 +9,7 @@ constant lr of 3e-3 after 30 warm-up steps (min_lr_ratio 1.0: every
 evaluation is a valid horizon and steps can be raised on resume). Evaluation,
 diagnostics (window 3) and checkpoints every 250 steps; training rows every 10.
 Arms, all mxfp4-dh16 with only Wgrad changed (the rules and predictions are in
-results/horizon_tiny/DECLARATION, recorded before the first run):
+results/horizon_tiny/DECLARATION.json, recorded before the first run):
   A0  mxfp4-dh16 unchanged (deterministic H16 everywhere);
   A1  Wgrad H16 with signs drawn afresh every step;
   A2  Wgrad H16 with signs drawn once per layer (random, fixed in time);
@@ -57,7 +57,7 @@ def get_config():
   config.ablation.seeds = 3
   config.ablation.recipe_seeds = "fp8:1"
   config.ablation.late_from = 0.5
-  config.ablation.declaration = "results/horizon_tiny/DECLARATION"
+  config.ablation.declaration = "results/horizon_tiny/DECLARATION.json"
   config.diagnostics.every = 250
   config.diagnostics.window = 3
   return config

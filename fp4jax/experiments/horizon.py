@@ -1,26 +1,30 @@
-"""The statistics of the long-horizon study (E1) and the learning-rate stress screen (E2).
+"""The long-horizon study (E1) beyond the declared primary statistic, and the stress screen (E2).
 
-E1 compares arms in pairs, seed by seed, on their validation curves at the
-same steps (`paired_difference`: arm a's eval loss minus arm b's). Per seed:
-  late mean  the mean of the difference over evaluations at >= `from_step`;
-  growth     the least-squares slope of the difference against ln(step) over
-             [lo, hi] (nats per e-fold of steps; > 0: the gap widens).
-The smallest effect of interest converts a token fraction into nats through
-the baseline's own late slope: a recipe that needs (1 + f) x the tokens sits
--dL/dln(t) * ln(1 + f) above the baseline (`smallest_effect`).
-`operand_errors` gives an arm's Wgrad operand errors (the validity rule:
-two arms compared for "variation in time" need the same error size).
+E1's primary statistic (the late mean of each contrast, Holm over its claims)
+is the report's (fp4jax.experiments.report, .verdicts). Its second family:
+  growth     per arm and seed, the least-squares slope of the validation loss
+             against ln(step) over the evaluations at lo <= step <= hi; a
+             contrast's weights applied to these slopes give the slope of the
+             paired difference (same evaluation steps), in nats per e-fold of
+             steps (> 0: the gap widens). `growth_section` judges the
+             declaration's claims on it (verdicts.evaluate, Holm over them)
+             with the declared smallest growth (the primary smallest effect
+             spread over ln(hi / lo)).
+`operand_errors` gives an arm's Wgrad operand errors: the validity rule of a
+contrast for "variation in time" needs its two arms at the same error size.
 
 E2 (`stress_outcome`, from a run's metrics.jsonl rows, logged every step):
 the step of the first non-finite training loss, the count of skipped steps,
 the first step whose loss exceeds the running minimum of the steps before it
 by `nats` (finite losses only), and the final validation loss.
 
+  python -m fp4jax.experiments.horizon e1 RESULTS      writes RESULTS/horizon.md
   python -m fp4jax.experiments.horizon stress RESULTS  (RESULTS/lr*/: one study
-      per peak lr) writes RESULTS/table.md.
+      per peak lr) writes RESULTS/table.md
 """
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -28,8 +32,11 @@ import sys
 import numpy as np
 
 from fp4jax import errors
+from fp4jax.experiments import declaration as declaration_lib
+from fp4jax.experiments import inference
 from fp4jax.experiments import plots
 from fp4jax.experiments import report
+from fp4jax.experiments import verdicts
 
 
 def eval_curve(run):
@@ -38,45 +45,13 @@ def eval_curve(run):
   return (np.array([s for s, _ in evals], np.float64), np.array([l for _, l in evals], np.float64))
 
 
-def paired_difference(run_a, run_b):
-  """(steps_T, diff_T): a's eval loss minus b's at the steps both evaluated."""
-  sa, la = eval_curve(run_a)
-  sb, lb = eval_curve(run_b)
-  common, ia, ib = np.intersect1d(sa, sb, return_indices=True)
-  return common, la[ia] - lb[ib]
-
-
-def late_mean(steps_T, diff_T, from_step):
-  """Mean of diff over the evaluations at step >= from_step (nan if none)."""
-  keep = np.asarray(steps_T) >= from_step
-  return float(np.mean(np.asarray(diff_T)[keep])) if keep.any() else math.nan
-
-
-def growth(steps_T, diff_T, lo, hi):
-  """Slope of diff against ln(step) over lo <= step <= hi (nan with < 2 points)."""
-  steps_T, diff_T = np.asarray(steps_T, np.float64), np.asarray(diff_T, np.float64)
-  keep = (steps_T >= lo) & (steps_T <= hi) & (steps_T > 0) & np.isfinite(diff_T)
-  if keep.sum() < 2:
+def growth(steps_T, loss_T, lo, hi):
+  """Slope of loss against ln(step) over lo <= step <= hi (nan with < 2 points)."""
+  steps_T, loss_T = np.asarray(steps_T, np.float64), np.asarray(loss_T, np.float64)
+  keep = steps_T <= hi
+  if not keep.any() or steps_T[keep][-1] <= 0:
     return math.nan
-  return float(np.polyfit(np.log(steps_T[keep]), diff_T[keep], 1)[0])
-
-
-def smallest_effect(base_runs, fraction, from_step):
-  """Nats of `fraction` more tokens: -dL/dln(step) of the baseline over its
-  evaluations at >= from_step (mean over runs), times ln(1 + fraction)."""
-  slopes = [growth(*eval_curve(r), from_step, math.inf) for r in base_runs]
-  return float(-np.nanmean(slopes) * math.log1p(fraction))
-
-
-def per_seed(runs, a, b, from_step, lo, hi):
-  """{seed: (late mean, growth)} of arm a minus arm b ({arm: [report.Run]})."""
-  base = {r.seed: r for r in runs.get(b, [])}
-  out = {}
-  for run in runs.get(a, []):
-    if run.seed in base:
-      steps, diff = paired_difference(run, base[run.seed])
-      out[run.seed] = (late_mean(steps, diff, from_step), growth(steps, diff, lo, hi))
-  return out
+  return inference.log_slope(steps_T[keep], loss_T[keep], lo / steps_T[keep][-1])
 
 
 def operand_errors(runs_of_arm, role="wgrad", source="train"):
@@ -94,6 +69,68 @@ def operand_errors(runs_of_arm, role="wgrad", source="train"):
 def errors_match(a, b, tolerance=0.03) -> bool:
   """True when every operand error of a is within `tolerance` (relative) of b's."""
   return all(abs(a[k] - b[k]) <= tolerance * b[k] for k in b)
+
+
+def contrast_curves(runs, decl):
+  """{contrast label: (steps_T, per-seed weighted difference [seeds, T])} on the
+  evaluation steps every run of the contrast has."""
+  out = {}
+  for claim in decl.claims:
+    for c in claim.contrasts:
+      if any(a not in runs for a in c.weights):
+        continue
+      by_arm = {a: {r.seed: dict(zip(*eval_curve(r))) for r in runs[a]} for a in c.weights}
+      seeds = sorted(set.intersection(*(set(v) for v in by_arm.values())))
+      if not seeds:
+        continue
+      steps = sorted(set.intersection(*(set(by_arm[a][s]) for a in c.weights for s in seeds)))
+      diff = [[sum(w * by_arm[a][s][t] for a, w in c.weights.items()) for t in steps]
+              for s in seeds]
+      out[c.label] = (np.array(steps, np.float64), np.array(diff, np.float64))
+  return out
+
+
+def validity_lines(runs, rule) -> list[str]:
+  """Markdown: the declared validity rule ({"arms": [a, b], "tolerance": f,
+  "role": "wgrad", "claim": label}) checked on the arms' operand errors."""
+  a, b = rule["arms"]
+  ea, eb = (operand_errors(runs.get(x, []), rule.get("role", "wgrad")) for x in (a, b))
+  if any(not math.isfinite(v) for v in (*ea.values(), *eb.values())):
+    return [f"- Validity of {rule['claim']}: not measured ({a} or {b} has no operand errors)."]
+  ok = errors_match(ea, eb, rule["tolerance"])
+  shown = "; ".join(f"{k} {ea[k]:.4f} vs {eb[k]:.4f} ({ea[k] / eb[k] - 1:+.1%})" for k in eb)
+  return [f"- Validity of {rule['claim']}: {a} vs {b} {rule.get('role', 'wgrad')} operand "
+          f"errors {shown}: " + (f"within {rule['tolerance']:.0%}, valid." if ok else
+                                 f"NOT within {rule['tolerance']:.0%}: {rule['claim']} is "
+                                 "CONFOUNDED by the error size.")]
+
+
+def growth_section(workdir, path=None) -> list[str]:
+  """Markdown: the declaration's claims judged on growth (see the module
+  docstring), the validity rule, and RESULTS/contrasts.png."""
+  path = path or os.path.join(workdir, "DECLARATION.json")
+  decl = declaration_lib.load(path)
+  with open(path) as f:
+    raw = json.load(f)
+  lo, hi = raw["growth"]["from_step"], raw["growth"]["to_step"]
+  runs = report.load_runs(workdir)
+  slope, smallest = report.smallest_effect(runs, decl)
+  smallest_growth = smallest / math.log(hi / lo)
+  values = {arm: {r.seed: growth(*eval_curve(r), lo, hi) for r in rs} for arm, rs in runs.items()}
+  results = verdicts.evaluate(decl, values, smallest_growth)
+  plots.plot_contrasts(os.path.join(workdir, "contrasts.png"), contrast_curves(runs, decl))
+  state = declaration_lib.status(workdir, path)
+  lines = ["", f"Growth (declared second family; declaration {state}): per arm and seed the "
+           f"slope of the validation loss against ln(step) over steps {lo}-{hi}; a contrast "
+           "of these slopes is the slope of its paired difference, in nats per e-fold of "
+           f"steps. Smallest growth of interest: {smallest:.4f} nats (the primary smallest "
+           f"effect, baseline slope {slope:.4f}) over ln({hi}/{lo}) = {smallest_growth:.4f}. "
+           f"Holm over the {len(decl.claims)} claims as for the primary statistic. Figure: "
+           "contrasts.png.", ""]
+  lines += verdicts.lines(results, smallest_growth, decl.power)
+  for rule in raw.get("validity", []):
+    lines += validity_lines(runs, rule)
+  return lines
 
 
 # ------------------------------------------------------------------ E2
@@ -146,16 +183,20 @@ def stress_table(results) -> list[str]:
   return lines
 
 
+_COMMANDS = {"e1": (growth_section, "horizon.md"), "stress": (stress_table, "table.md")}
+
+
 def main(argv):
   prog = "python -m fp4jax.experiments.horizon"
-  if len(argv) != 3 or argv[1] != "stress" or not os.path.isdir(argv[2]):
-    return errors.report(prog, f"usage: {prog} stress RESULTS (a folder with lr* studies), "
-                         f"got {argv[1:]}")
+  if len(argv) != 3 or argv[1] not in _COMMANDS or not os.path.isdir(argv[2]):
+    return errors.report(prog, f"usage: {prog} e1|stress RESULTS (a results folder), got "
+                         f"{' '.join(argv[1:])!r}")
+  make, name = _COMMANDS[argv[1]]
   try:
-    lines = stress_table(argv[2])
+    lines = make(argv[2])
   except errors.UserError as e:
     return errors.report(prog, e)
-  with open(os.path.join(argv[2], "table.md"), "w") as f:
+  with open(os.path.join(argv[2], name), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
   return 0

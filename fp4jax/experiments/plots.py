@@ -226,3 +226,28 @@ def plot_snr(path, series, threshold):
   fig.savefig(path)
   plt.close(fig)
   return True
+
+
+def plot_contrasts(path, curves, threshold_steps=None):
+  """One panel per contrast: its per-seed paired difference (nats) against
+  steps (log axis), one thin line per seed, the mean over seeds thick with a
+  min-max band. curves: {label: (steps_T, diff_SxT)}; threshold_steps: {label:
+  step} marks (e.g. where an SNR falls below its threshold), optional."""
+  if not curves:
+    return
+  fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.6), squeeze=False)
+  for ax, (label, (steps, diff)) in zip(axes[0], curves.items()):
+    keep = steps > 0
+    for row in diff:
+      ax.plot(steps[keep], row[keep], color="0.6", lw=0.8)
+    ax.fill_between(steps[keep], diff[:, keep].min(0), diff[:, keep].max(0), color="C0", alpha=0.2)
+    ax.plot(steps[keep], diff[:, keep].mean(0), color="C0", lw=2, label=f"mean of {len(diff)}")
+    ax.axhline(0, color="k", lw=0.6)
+    if threshold_steps and threshold_steps.get(label) is not None:
+      ax.axvline(threshold_steps[label], color="C3", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set(title=label, xlabel="step", ylabel="paired difference of val loss (nats)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

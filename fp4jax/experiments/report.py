@@ -419,6 +419,15 @@ def instruments_section(runs):
       "GEMM output (negative: shrinkage toward zero).", summary, "+.4f")
 
 
+def smallest_effect(runs, decl):
+  """(the baseline's late slope dL/d ln(tokens), mean over its seeds; the
+  declaration's smallest effect of interest in nats through it)."""
+  slopes = [inference.log_slope(r.tokens_T, r.loss_T, decl.late_from)
+            for r in runs.get(decl.baseline) or []]
+  slope = float(np.nanmean(slopes)) if slopes else math.nan
+  return slope, inference.effect_nats(slope, decl.smallest_effect_tokens)
+
+
 def verdict_section(runs, decl, workdir):
   """Markdown: the declaration's status, its smallest effect in nats, one line per claim."""
   if decl is None:
@@ -432,9 +441,7 @@ def verdict_section(runs, decl, workdir):
       "undeclared": "**EXPLORATORY: these rules were fixed after the data were seen** (no "
                     "declaration was recorded when the first run began)."}[state]
   base = runs.get(decl.baseline) or []
-  slopes = [inference.log_slope(r.tokens_T, r.loss_T, decl.late_from) for r in base]
-  slope = float(np.nanmean(slopes)) if slopes else math.nan
-  smallest = inference.effect_nats(slope, decl.smallest_effect_tokens)
+  slope, smallest = smallest_effect(runs, decl)
   if decl.primary == "late_mean":
     primary = {rc: {r.seed: stats.late_mean(r.tokens_T, r.loss_T, decl.late_from) for r in rs}
                for rc, rs in runs.items()}
