@@ -15,16 +15,13 @@ call (with that folder carried back) trains only the rest. Not run yet: the
 size is an estimate (one compile and ~300 short steps per recipe).
 """
 
-import importlib.util
 import os
+
+from fp4jax.bench.train_speed import load_config
 
 
 def get_config():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ablation_gpu.py")
-  spec = importlib.util.spec_from_file_location("ablation_gpu", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = load_config(os.path.join(os.path.dirname(__file__), "ablation_gpu.py"))
   config.steps = 300
   config.warmup_steps = 30
   config.eval_every = 50

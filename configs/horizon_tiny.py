@@ -20,9 +20,9 @@ run's records are committed to results/horizon_tiny as it completes, and a
 rerun skips the runs complete there.
 """
 
-import importlib.util
 import os
 
+from fp4jax.bench.train_speed import load_config
 from fp4jax.experiments import ablation
 
 ARMS = ("A0=mxfp4-dh16; "
@@ -32,17 +32,8 @@ ARMS = ("A0=mxfp4-dh16; "
         "fp8")
 
 
-def tiny_ablation():
-  """configs/ablation_tiny.py's config (the model, data and batch shared with it)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ablation_tiny.py")
-  spec = importlib.util.spec_from_file_location("ablation_tiny", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
 def get_config():
-  config = tiny_ablation()
+  config = load_config(os.path.join(os.path.dirname(__file__), "ablation_tiny.py"))
   config.steps = 2000
   config.lr = 3e-3
   config.warmup_steps = 30

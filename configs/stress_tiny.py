@@ -14,28 +14,22 @@ the running minimum by 1 nat, the final validation loss
 (fp4jax.experiments.horizon.stress_outcome). One seed: a screen, not a verdict.
 """
 
-import importlib.util
 import os
 
+from fp4jax.bench.train_speed import load_config
 
-def _horizon():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horizon_tiny.py")
-  spec = importlib.util.spec_from_file_location("horizon_tiny", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+ARMS = ("A0", "A1", "A3", "fp8")
 
 
 def get_config(lr="1e-2"):
-  horizon = _horizon()
-  config = horizon.get_config()
+  config = load_config(os.path.join(os.path.dirname(__file__), "horizon_tiny.py"))
   config.lr = float(lr)
   config.steps = 600
   config.eval_every = 100
   config.checkpoint_every = 600
   config.log_every = 1
-  arms = [a.strip() for a in horizon.ARMS.split(";")]
-  config.ablation.arms = "; ".join(a for a in arms if a.split("=")[0] in ("A0", "A1", "A3", "fp8"))
+  config.ablation.arms = "; ".join(a.strip() for a in config.ablation.arms.split(";")
+                                   if a.split("=")[0].strip() in ARMS)
   config.ablation.seeds = 1
   config.ablation.recipe_seeds = ""
   config.ablation.declaration = ""

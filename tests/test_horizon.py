@@ -249,6 +249,9 @@ def test_publish_is_complete_only_with_its_manifest_and_a_finished_run(tmp_path)
   committed.publish(src, dst)
   assert committed.is_complete(dst)
   assert sorted(os.listdir(tmp_path / "results")) == ["A0_seed0"]  # no temporary left
+  os.makedirs(tmp_path / "results" / ".A1_seed0.tmp")  # a copy cut short: not a run
+  _finished_run(str(tmp_path / "results" / ".A1_seed0.tmp"))
+  assert list(report.load_runs(str(tmp_path / "results"))) == ["A0"]
   with open(os.path.join(dst, "metrics.jsonl"), "a") as f:
     f.write("{}\n")
   assert not committed.is_complete(dst)  # a file that differs from its manifest

@@ -101,8 +101,8 @@ def load_runs(workdir, recipes=None) -> dict:
   found = {}
   for name in sorted(os.listdir(workdir)):
     path = os.path.join(workdir, name)
-    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
-      continue
+    if name.startswith(".") or not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+      continue  # hidden: a results folder's copy in progress (committed.publish)
     match = _SEED_DIR.fullmatch(name)
     recipe, seed = (match.group(1), int(match.group(2))) if match else (name, None)
     run = load_run(path, recipe, seed)
