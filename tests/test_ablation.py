@@ -69,7 +69,7 @@ def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   assert "| bf16 |" in table and "| fp8 |" in table and "baseline" in table
   assert "| bf16 | 1 | " in table  # one pair against fp8 in the paired estimates
   assert "Declared before the first run" in table and "- **not run**: Wgrad" in table
-  assert "| fp8 | wgrad | block_0/mlp/down |" in table  # the SNR section
+  assert "Instruments on the training batch" in table and "| fp8 | " in table
   metrics = [json.loads(l) for l in
              (tmp_path / "fp8_seed0" / "metrics.jsonl").read_text().split("\n") if l]
   evals = [r for r in metrics if "eval_loss" in r]
@@ -82,6 +82,8 @@ def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   assert measured("diag/train/block_0/mlp/down/wgrad/bias") == {4}
   assert measured("diag/ref/block_0/mlp/down/dgrad/step_cos") == {4}
   assert measured("diag/train/block_0/mlp/down/dgrad/snr") == {1, 3, 4}
+  assert measured("diag/train/block_0/mlp/down/wgrad/snr_true") == {1, 3, 4}  # batch of 8
+  assert measured("diag/train/block_0/mlp/down/fprop/out_signed") == {1, 3, 4}
   assert json.loads((tmp_path / "fp8_seed1" / "config.json").read_text())["seed"] == (
       config.seed + 1)
 

@@ -214,18 +214,19 @@ def _fmt(ms, fmt, scale=1.0, unit=""):
   return out + (f" ± {abs(spread) * scale:{fmt.lstrip('+')}}{unit}" if spread else "")
 
 
-def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=()):
+def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=(), banner=""):
   """Writes table.md: one line per recipe, the paper's overhead beside ours.
 
   targets: {seed: target loss}; note: how the target was chosen
   (target_note). diag: optional {recipe: {column: value}}, a second table.
-  sections: further markdown lines, appended (paired estimates, SNR, verdicts).
+  sections: further markdown lines, appended (paired estimates, SNR, verdicts);
+  banner: text before everything else.
   """
   seeds = max((r.n for r in rows), default=1)
   values = ", ".join(f"{t:.4f}" + ("" if s is None else f" (seed {s})")
                      for s, t in sorted(targets.items(), key=lambda kv: str(kv[0])))
   lines = [
-      f"Target: validation loss {values} ({note}); overhead = tokens to target / the "
+      f"{banner}Target: validation loss {values} ({note}); overhead = tokens to target / the "
       f"same seed's baseline tokens - 1; diverged = non-finite loss, stopped on "
       f"non-finite steps, or final loss > "
       f"{diverge_loss if diverge_loss is None else round(diverge_loss, 4)}."
@@ -484,8 +485,11 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   series = snr_series(runs)
   sections = (estimates_section(runs, baseline, late_from) if baseline in runs else [])
   sections += instruments_section(runs) + verdict_section(runs, decl, workdir)
+  banner = ("**EXPLORATORY: the verdicts of this table do not follow rules declared before "
+            "its first run** (see the verdicts' paragraph).\n\n") if (
+      decl is not None and declaration_lib.status(workdir, decl.path) != "declared") else ""
   write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
-              sections)
+              sections, banner)
   plots.plot_snr(os.path.join(workdir, "snr.png"), series, SNR_THRESHOLD)
   plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
                     float(np.mean(list(targets.values()))), baseline)
