@@ -22,6 +22,11 @@
 #               each (peak memory is per process): tokens/s, MFU, peak GiB
 #   native      backend=native (compute capability >= 10 only; skipped here
 #               on an H200 with the reason written down)
+#   ablation_short  optional, not in the default stages (it needs the whole
+#               call): configs/ablation_gpu_short.py, fp8 / mxfp4 / mxfp4-dh16
+#               at the 125M shape for 300 steps; checkpoints in /tmp, each
+#               finished run's records in $OUT/ablation_gpu_short. Run it as
+#               GPU_CHECK_STAGES="env ablation_short" GPU_CHECK_BUDGET_S=540
 # Results: $OUT/summary.md (stages, goals, tables), $OUT/summary.json,
 # $OUT/gpu_check.log (everything printed), $OUT/results.tar.gz (each stage's
 # JSON/markdown/log, pytest.xml, hlo/*.txt). GPU_CHECK_STAGES="env linear"
@@ -153,10 +158,20 @@ for s in $STAGES; do
           --recipe "${run%%:*}" --backend "${run##*:}" --steps "$TRAIN_STEPS" $TINY $TRAIN_FLAGS \
           --out "$WORK/train_${run%%:*}_${run##*:}.json"
       done ;;
+    ablation_short)
+      if [[ $DRY_RUN == 1 ]]; then
+        short=(--config.model.name=tiny --config.steps=4 --config.warmup_steps=1 --config.batch_size=4
+               --config.seq_len=64 --config.eval_every=2 --config.eval_batches=1 --config.eval_batch_size=4
+               --config.checkpoint_every=4 --config.diagnostics.every=2 --config.diagnostics.window=2
+               --config.diagnostics.ref_batch_size=4)
+      else short=(); fi
+      rm -rf /tmp/fp4jax_ablation_short
+      stage ablation_short 480 $PY -m fp4jax.experiments.ablation --config=configs/ablation_gpu_short.py \
+        --workdir=/tmp/fp4jax_ablation_short --results="$OUT/ablation_gpu_short" ${short[@]+"${short[@]}"} ;;
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
       stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
-    *) echo "unknown stage $s (allowed: env tests crosscheck quantize linear train native)" ;;
+    *) echo "unknown stage $s (allowed: env tests crosscheck quantize linear train native ablation_short)" ;;
   esac
 done
 

@@ -10,9 +10,9 @@ windows every 50 steps); Fprop and Dgrad are mxfp4-sr in every arm, Wgrad:
   fp4        mxfp4-sr's (MXFP4, stochastic rounding) throughout
   fp8        the fp8 preset's (per-tensor E4M3 X, E5M2 dY) throughout
   schedule   MXFP4 until step 150, then FP8 (config.quant_schedule)
-  adaptive   MXFP4, each block moving to FP8 once its Wgrad SNR was below
-             5.0 on 3 measurements in a row (every 20 steps). 5.0, not the
-             default sqrt(3): this short run never gets near sqrt(3).
+  adaptive   MXFP4, each block moving to FP8 once its Wgrad snr_true was
+             below the default sqrt(3) on 3 measurements in a row (every 20
+             steps).
 """
 
 import os
@@ -42,6 +42,5 @@ def get_config(arm="adaptive"):
   elif arm == "schedule":
     config.quant_schedule = ((150, {"name": "mxfp4-sr", "wgrad": FP8_WGRAD}),)
   elif arm == "adaptive":
-    config.adaptive_wgrad.update(dict(enabled=True, threshold=5.0, window=3, every=20,
-                                      to="fp8"))
+    config.adaptive_wgrad.update(dict(enabled=True, window=3, every=20, to="fp8"))
   return config

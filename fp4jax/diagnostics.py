@@ -5,26 +5,51 @@ dY[M, N], each role's quantized GEMM (fprop X W, dgrad dY W^T, wgrad X^T dY,
 computed by `fp4jax.dot.dot_general(recipe)` itself, forward and VJP) is
 compared with the exact float32 GEMM:
 
-  lhs_err, rhs_err  relative error ||q(a) - a|| / ||a|| of each operand as the
-                    role quantizes it (after its rotation, if any);
+  lhs_err, rhs_err  relative error eps = ||q(a) - a|| / ||a|| of each operand
+                    as the role quantizes it (after its rotation, if any);
   out_err, out_cos  relative error and cosine similarity of the GEMM output;
-  snr               signal-to-noise ratio of the GEMM output, ||exact|| /
-                    ||quantized - exact|| (= 1 / out_err). For Wgrad it is the
-                    weight gradient's norm over its quantization error's:
-                    Chmiel et al. ("FP4 All the Way", 2025) find that FP4
-                    training stops making progress once it falls below about
-                    sqrt(3);
+  snr               ||exact|| / ||quantized - exact|| of the output (=
+                    1 / out_err) on this batch. For Wgrad, dW = sum_m x_m dy_m^T:
+                    once the per-token terms are incoherent, ||dW||^2 and
+                    ||error||^2 both scale with sum_m ||x_m||^2 ||dy_m||^2 and
+                    snr ~ 1 / sqrt(eps_lhs^2 + eps_rhs^2), a constant of the
+                    format, whatever the state of training;
+  kappa             snr * sqrt(eps_lhs^2 + eps_rhs^2): ~1 when snr is that
+                    constant, > 1 when the output's terms add more coherently
+                    than their errors (`coherence`);
+  snr_true          Wgrad only (the one role whose output has the same
+                    coordinates for every batch): sqrt(max(<G_a, G_b>, 0)) /
+                    ||quantized - exact|| with G_a, G_b the exact weight
+                    gradients of the two halves of the batch (`true_snr`);
+                    estimates ||E G|| / ||quantization error||, E over batches
+                    at these weights;
+  lhs_signed, rhs_signed, out_signed
+                    <q(a) - a, a> / ||a||^2 of each operand and of the output
+                    (`signed_error`): the error's projection on the value;
+                    negative = shrinkage toward zero (UFP4, arXiv 2606.20381,
+                    argues E2M1 rounding shrinks and a random Hadamard
+                    amplifies it);
   bias              ||mean of the last k output errors|| / mean of their norms
                     (1: the same error every step; ~1/sqrt(k): independent);
   step_cos          cosine between the output errors at steps t-1 and t.
+
+Chmiel et al. ("FP4 All the Way", arXiv 2505.19115) write in their abstract
+that quantized training becomes less effective "when the gradient norm falls
+below approximately sqrt(3) times the quantization noise". Only the abstract
+was available to us; we could not read their derivation, so whether their
+gradient is the expected (full-data) gradient or a minibatch gradient is not
+confirmed from the paper. `snr_true` takes the expected gradient, the signal
+that quantization noise can drown; the batch `snr` above cannot make that
+comparison, because its numerator carries the batch's own sampling noise,
+incoherent over tokens like the quantization error.
 
 The paper (research.md) claims deterministic rotations help because their
 Wgrad error is the same every step while random methods' errors accumulate;
 bias and step_cos of the wgrad error measure exactly that. They are computed
 on the training batch (wgrad only: its error lives in weight space, the same
 coordinates every step) and on a fixed reference batch (all roles: identical
-inputs for every recipe and step, only the weights move). The snr of every
-role is logged on the training batch too: that is the gradient training uses.
+inputs for every recipe and step, only the weights move). On the training
+batch every role also logs TRAIN_STATS: that is the gradient training uses.
 
 `make_callback` returns a trainer callback `cb(step, state, batch)` that
 measures chosen layers on `window` consecutive steps every `every` steps and
@@ -48,7 +73,9 @@ from fp4jax.numerics import operand
 from fp4jax.recipes import ROLES
 
 SOURCES = ("train", "ref")
-GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos", "snr")
+GEMM_STATS = ("lhs_err", "rhs_err", "out_err", "out_cos", "snr", "kappa", "lhs_signed",
+              "rhs_signed", "out_signed")
+TRAIN_STATS = ("snr", "kappa", "lhs_signed", "rhs_signed", "out_signed")
 WINDOW_STATS = ("bias", "step_cos")
 # The Wgrad snr below which FP4 training stops making progress (Chmiel et al.).
 SNR_THRESHOLD = math.sqrt(3)
@@ -87,6 +114,64 @@ def signal_to_noise_from_norms(signal, noise):
   """signal / noise (arrays of norms): inf where only noise is 0, NaN where both are."""
   return jnp.where(noise > 0, signal / jnp.where(noise > 0, noise, 1.0),
                    jnp.where(signal > 0, jnp.inf, jnp.nan))
+
+
+def signed_error(approx, exact):
+  """<approx - exact, exact> / ||exact||^2 over all elements (NaN when exact is zero).
+
+  The part of the relative error along the value: -0.01 = a 1% shrinkage
+  toward zero. Its expectation over a distribution of values is the bias a
+  rounding rule has on that distribution; sampled once it carries the
+  rounding's variance too (small for large tensors).
+  """
+  exact = jnp.asarray(exact, jnp.float32).ravel()
+  diff = jnp.asarray(approx, jnp.float32).ravel() - exact
+  return _ratio(jnp.dot(diff, exact), jnp.dot(exact, exact))
+
+
+def coherence(snr, lhs_err, rhs_err):
+  """kappa = snr * sqrt(lhs_err^2 + rhs_err^2).
+
+  For a GEMM output that sums M per-term products whose errors are
+  incoherent, ||error|| ~ sqrt(lhs^2 + rhs^2) * sqrt(sum_m ||term_m||^2): kappa
+  is then ||output|| / sqrt(sum_m ||term_m||^2), 1 when the terms themselves
+  add incoherently (snr is the format's constant) and up to sqrt(M) when they
+  all point the same way. Biased where the operand errors are correlated with
+  each other (then the error is not their root-sum-square).
+  """
+  return snr * jnp.sqrt(lhs_err ** 2 + rhs_err ** 2)
+
+
+def half_gradients(x_MxK, dy_MxN):
+  """The exact Wgrads G_a, G_b [K, N] of the two halves of the M rows.
+
+  dy is the gradient of a mean over the M rows, so each half's own mean-loss
+  gradient is 2 x_h^T dy_h and G = (G_a + G_b) / 2 is the batch's. M even;
+  the halves are independent samples only if they hold different sequences
+  (rows ordered sequence by sequence, an even number of sequences).
+  """
+  x, dy = jnp.asarray(x_MxK, jnp.float32), jnp.asarray(dy_MxN, jnp.float32)
+  h = x.shape[0] // 2
+  hi = jax.lax.Precision.HIGHEST
+  return (2 * jnp.dot(x[:h].T, dy[:h], precision=hi), 2 * jnp.dot(x[h:].T, dy[h:], precision=hi))
+
+
+def true_snr(g_a, g_b, error):
+  """sqrt(max(<g_a, g_b>, 0)) / ||error||: the expected gradient's norm over the noise.
+
+  g_a, g_b: exact gradients of two independent batches at the same weights;
+  error: the quantization error of the gradient training uses.
+  <g_a, g_b> is an unbiased estimate of ||E g||^2 when the batches are
+  independent and equally distributed (E<g_a, g_b> = <E g_a, E g_b>); it is
+  biased up when they are positively correlated (e.g. neighbouring windows of
+  one document). Its square root is biased low (Jensen), and where ||E g||^2
+  is small against the spread of <g_a, g_b> (sampling noise of the halves,
+  late in training) the max(., 0) clip biases it up and single measurements
+  are noisy: average several. Identical batches give the batch snr exactly.
+  """
+  dot = jnp.vdot(jnp.asarray(g_a, jnp.float32).ravel(), jnp.asarray(g_b, jnp.float32).ravel())
+  noise = jnp.linalg.norm(jnp.asarray(error, jnp.float32).ravel())
+  return signal_to_noise_from_norms(jnp.sqrt(jnp.maximum(dot, 0.0)), noise)
 
 
 def error_bias(errors):
@@ -169,13 +254,14 @@ def role_operands(recipe, role, a, b, a_axis, b_axis, key=None, layer_key=None):
   return tuple(out)
 
 
-def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None, layer_key=None):
+def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None, layer_key=None, halves=False):
   """Statistics of the three quantized GEMMs of one layer against the exact ones.
 
-  Returns ({role: {stat: scalar}} for GEMM_STATS, {role: output error array}):
-  errors are quantized minus exact, shapes fprop [M, N], dgrad [M, K],
-  wgrad [K, N]. `key` is used by random recipes only; `layer_key` (the key
-  the layer passed to dot_general, see `capture`) by per-layer signs only.
+  Returns ({role: {stat: scalar}} for GEMM_STATS, plus wgrad's snr_true when
+  `halves` (`half_gradients`: M even, the halves independent), {role: output
+  error array}): errors are quantized minus exact, shapes fprop [M, N], dgrad
+  [M, K], wgrad [K, N]. `key` is used by random recipes only; `layer_key`
+  (the key the layer passed to dot_general, see `capture`) by per-layer signs only.
   """
   key = key if recipe.is_random else None
   layer_key = layer_key if recipe.needs_layer_key else None
@@ -200,10 +286,16 @@ def gemm_stats(recipe, x_MxK, w_KxN, dy_MxN, key=None, layer_key=None):
     (a_q, a_ref), (b_q, b_ref) = role_operands(recipe, role, a, b, a_axis, b_axis, role_key,
                                                role_layer_key)
     out_q, out = quant[role].astype(jnp.float32), exact[role]
-    stats[role] = {"lhs_err": relative_error(a_q, a_ref), "rhs_err": relative_error(b_q, b_ref),
+    lhs_err, rhs_err = relative_error(a_q, a_ref), relative_error(b_q, b_ref)
+    snr = signal_to_noise(out_q, out)
+    stats[role] = {"lhs_err": lhs_err, "rhs_err": rhs_err,
                    "out_err": relative_error(out_q, out), "out_cos": cosine(out_q, out),
-                   "snr": signal_to_noise(out_q, out)}
+                   "snr": snr, "kappa": coherence(snr, lhs_err, rhs_err),
+                   "lhs_signed": signed_error(a_q, a_ref), "rhs_signed": signed_error(b_q, b_ref),
+                   "out_signed": signed_error(out_q, out)}
     errors[role] = out_q - out
+  if halves:
+    stats["wgrad"]["snr_true"] = true_snr(*half_gradients(x, dy), errors["wgrad"])
   return stats, errors
 
 
@@ -274,13 +366,14 @@ class _Callback:
       tokens = jnp.asarray(np.asarray(tokens).reshape(-1, np.shape(tokens)[-1]), jnp.int32)
       key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), s)
       ops = self.capture_fn(state.params, tokens, jax.random.fold_in(key, 0), self.layer_key)
+      halves = tokens.shape[0] % 2 == 0  # whole sequences in each half
       for li, (layer, (lhs, rhs, dy, own_key)) in enumerate(ops.items()):
         stats, errors = jax.device_get(self.stats_fn(
-            *as_matrices(lhs, rhs, dy), jax.random.fold_in(key, li + 1), own_key))
+            *as_matrices(lhs, rhs, dy), jax.random.fold_in(key, li + 1), own_key, halves))
         for role in ROLES:
           prefix = f"diag/{source}/{layer}/{role}"
           if source == "train" and role != "wgrad":
-            row[f"{prefix}/snr"] = float(stats[role]["snr"])
+            row.update({f"{prefix}/{k}": float(stats[role][k]) for k in TRAIN_STATS})
             continue
           row.update({f"{prefix}/{k}": float(v) for k, v in stats[role].items()})
           win = self.windows.setdefault(prefix, ErrorWindow(self.window))
@@ -317,7 +410,7 @@ def make_callback(model, ref_batch=None, *, layers, every=50, window=4, seed=0,
                        f"{recipe.name!r}; choose another layer")
   cap_model = model.clone(config=dataclasses.replace(model.config, capture_dots=True))
   capture_fn = jax.jit(functools.partial(capture, cap_model, layers))
-  stats_fn = jax.jit(functools.partial(gemm_stats, recipe))
+  stats_fn = jax.jit(functools.partial(gemm_stats, recipe), static_argnums=(5,))
   if recipe.needs_layer_key and layer_key is None:
     raise ValueError(f"recipe {recipe.name!r} uses per-layer Hadamard signs: diagnostics "
                      "need the run's layer_key (fp4jax.train.step.layer_key)")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fp4jax.experiments import ablation
+from fp4jax.experiments import declaration
 from fp4jax.experiments import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +40,23 @@ def _tiny_ablation_config():
   return config
 
 
+def _declare(path):
+  """A declaration with one claim whose recipe does not run (its verdict: not run)."""
+  path.write_text(json.dumps({
+      "study": "test", "baseline": "fp8", "primary": "late_mean", "late_from": 0.5,
+      "smallest_effect_tokens": 0.05, "alpha": 0.05, "correction": "holm", "power": 0.8,
+      "claims": [{"text": "Wgrad costs", "contrasts": [
+          {"label": "mxfp4 - fp8", "weights": {"mxfp4": 1, "fp8": -1}, "direction": ">"}]}]}))
+  return str(path)
+
+
 @pytest.mark.slow
 def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   config = _tiny_ablation_config()
+  config.ablation.declaration = _declare(tmp_path / "DECLARATION.json")
   rows = ablation.run_ablation(config, str(tmp_path))
+  record = json.loads((tmp_path / "declaration_record.json").read_text())
+  assert record["sha256"] == declaration.file_hash(config.ablation.declaration)
   assert [r.recipe for r in rows] == ["bf16", "fp8"]
   assert [r.n for r in rows] == [1, 2]  # recipe_seeds: bf16 runs the first seed only
   assert not (tmp_path / "bf16_seed1").exists()
@@ -55,8 +69,8 @@ def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   table = (tmp_path / "table.md").read_text()
   assert "| bf16 |" in table and "| fp8 |" in table and "baseline" in table
   assert "| bf16 | 1 | " in table  # one pair against fp8 in the paired estimates
-  assert "Verdicts at this scale" in table and "- **not run**: Wgrad" in table
-  assert "| fp8 | wgrad | block_0/mlp/down |" in table  # the SNR section
+  assert "Declared before the first run" in table and "- **not run**: Wgrad" in table
+  assert "Instruments on the training batch" in table and "| fp8 | " in table
   metrics = [json.loads(l) for l in
              (tmp_path / "fp8_seed0" / "metrics.jsonl").read_text().split("\n") if l]
   evals = [r for r in metrics if "eval_loss" in r]
@@ -69,6 +83,8 @@ def test_two_recipe_ablation_end_to_end_and_resumable(tmp_path, capsys):
   assert measured("diag/train/block_0/mlp/down/wgrad/bias") == {4}
   assert measured("diag/ref/block_0/mlp/down/dgrad/step_cos") == {4}
   assert measured("diag/train/block_0/mlp/down/dgrad/snr") == {1, 3, 4}
+  assert measured("diag/train/block_0/mlp/down/wgrad/snr_true") == {1, 3, 4}  # batch of 8
+  assert measured("diag/train/block_0/mlp/down/fprop/out_signed") == {1, 3, 4}
   assert json.loads((tmp_path / "fp8_seed1" / "config.json").read_text())["seed"] == (
       config.seed + 1)
 

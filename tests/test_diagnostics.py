@@ -261,3 +261,73 @@ def test_per_layer_signs_reach_the_diagnostics():
                        layer_key=run_key)
   row = cb(1, types.SimpleNamespace(params=params), tokens)
   assert 1 < row["diag/train/block_0/attn/q/wgrad/snr"] < 1e3
+
+
+def test_signed_error_of_e2m1_rounding_by_hand():
+  """a uniform on (-5, 5), scale 1, nearest E2M1. Around each grid point c
+  with left / right half-widths l, r the integral of (q - a) a is
+  -c (r^2 - l^2) / 2 - (r^3 + l^3) / 3; over [0, 5] (c = 0 .. 4, the bins of
+  2 and 4 asymmetric) these sum to -428/192, so E[(q - a) a] = -428/960 and,
+  with E[a^2] = 25/3, the signed error is -1284/24000 = -0.0535: shrinkage."""
+  from fp4jax.numerics import elements
+  n = 2_000_000
+  a = jnp.asarray(-5 + 10 * (np.arange(n) + 0.5) / n, jnp.float32)  # midpoint rule
+  q = elements.round_element(a, elements.ELEMENTS["e2m1"])
+  assert float(D.signed_error(q, a)) == pytest.approx(-0.0535, abs=2e-5)
+  assert float(D.signed_error(a * 0.9, a)) == pytest.approx(-0.1)
+  assert np.isnan(D.signed_error(a, jnp.zeros_like(a)))
+
+
+def _linear_model_halves(rng, reps, k=12, n=3, m=8):
+  """`reps` batches of 2m rows of y = x W* + noise, x ~ N(0, I): their half-batch
+  gradients by `half_gradients` (vmapped) from each batch's mean-loss dy, and
+  the expected gradient E G = W - W* (of 0.5 ||x W - y||^2, mean over rows)."""
+  w_true = np.linspace(-1, 1, k * n).reshape(k, n)
+  w = w_true + 0.05
+  x = rng.normal(size=(reps, 2 * m, k))
+  y = x @ w_true + rng.normal(size=(reps, 2 * m, n))
+  dy = (x @ w - y) / (2 * m)
+  return jax.vmap(D.half_gradients)(jnp.asarray(x), jnp.asarray(dy)), w - w_true
+
+
+def test_true_snr_is_unbiased_for_the_expected_gradient():
+  (g_a, g_b), expected = _linear_model_halves(np.random.default_rng(0), 4000)
+  dots = np.asarray(jnp.sum(g_a * g_b, axis=(1, 2)), np.float64)
+  selfs = np.asarray(jnp.sum(g_a * g_a, axis=(1, 2)), np.float64)
+  want = float(np.sum(expected ** 2))  # 36 * 0.05^2 = 0.09
+  se = np.std(dots, ddof=1) / np.sqrt(dots.size)
+  assert abs(dots.mean() - want) < 3 * se, (dots.mean(), want, se)
+  assert selfs.mean() - want > 20 * se  # one batch with itself: its sampling noise added
+  # snr_true is the square root over the error's norm.
+  err = jnp.full((12, 3), 0.5)  # norm 3
+  assert float(D.true_snr(g_a[0], g_b[0], err)) == pytest.approx(
+      np.sqrt(max(dots[0], 0.0)) / 3, rel=1e-5)
+  assert float(D.true_snr(g_a[0], -g_a[0], err)) == 0.0  # a negative estimate clips to 0
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4-sr"])
+def test_true_snr_equals_batch_snr_on_identical_halves(name):
+  """Both halves the same rows: <G_a, G_b> = ||G||^2 and snr_true is the batch snr."""
+  key = jax.random.key(3)
+  x_h = jax.random.normal(jax.random.fold_in(key, 0), (64, 96))
+  dy_h = jax.random.normal(jax.random.fold_in(key, 1), (64, 32))
+  w = jax.random.normal(jax.random.fold_in(key, 2), (96, 32))
+  fn = jax.jit(functools.partial(D.gemm_stats, recipes.recipe(name)), static_argnums=(5,))
+  stats, _ = fn(jnp.concatenate([x_h, x_h]), w, jnp.concatenate([dy_h, dy_h]),
+                jax.random.key(4), None, True)
+  assert float(stats["wgrad"]["snr_true"]) == pytest.approx(float(stats["wgrad"]["snr"]),
+                                                            rel=1e-5)
+
+
+def test_kappa_is_one_for_incoherent_terms():
+  """Independent Gaussian x and dy: the per-token terms of dW add incoherently,
+  so the batch snr is the format's 1 / sqrt(eps_x^2 + eps_dy^2) and kappa ~ 1."""
+  key = jax.random.key(5)
+  x = jax.random.normal(jax.random.fold_in(key, 0), (1024, 64))
+  dy = jax.random.normal(jax.random.fold_in(key, 1), (1024, 64))
+  w = jax.random.normal(jax.random.fold_in(key, 2), (64, 64))
+  wg = jax.jit(functools.partial(D.gemm_stats, recipes.recipe("mxfp4")))(x, w, dy)[0]["wgrad"]
+  assert float(wg["kappa"]) == pytest.approx(
+      float(wg["snr"] * np.hypot(wg["lhs_err"], wg["rhs_err"])), rel=1e-6)
+  assert float(wg["kappa"]) == pytest.approx(1.0, abs=0.1)
+  assert -0.05 < float(wg["lhs_signed"]) < 0  # nearest E2M1 on Gaussian blocks shrinks

@@ -1,7 +1,7 @@
 """The staged ablation of arXiv 2605.09825 as one command.
 
   python -m fp4jax.experiments.ablation --config=configs/ablation_tiny.py \\
-      --workdir=runs/ablation
+      --workdir=runs/ablation [--results=results/ablation --git_commit]
 
 trains the same model on the same data with the same seed once per recipe in
 `config.ablation.recipes` (each in WORKDIR/<recipe>, or WORKDIR/<recipe>_seed<N>
@@ -10,13 +10,26 @@ chosen layers, then writes WORKDIR/table.md, curves.png and the diagnostics
 figures (fp4jax.experiments.report). Finished runs are skipped; an interrupted
 one resumes from its checkpoint, so the command can simply be run again.
 
+--results=FOLDER: each run's records are copied into FOLDER/<run> as it
+finishes (fp4jax.experiments.committed), runs complete there are skipped
+(the study resumes from what is in git, the workdir may be gone), and the
+report is written in FOLDER; --git_commit commits each finished run's folder
+(and the declaration record) on its own, nothing else.
+
 Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.recipes       comma-separated preset names (DEFAULT_RECIPES)
+  ablation.arms          instead of recipes: named arms separated by ";",
+                         NAME=PRESET:KEY=VALUE,... (fp4jax.experiments.arms);
+                         the run folders and the report use the arm names
+  ablation.declaration   the study's declaration file (fp4jax.experiments.declaration):
+                         its hash is recorded in the results folder (or WORKDIR)
+                         before the first run; a changed one is refused, and so
+                         is one first recorded after runs finished; "" = the
+                         folder's DECLARATION.json if present (for the report), else
+                         no verdicts
   ablation.seeds         runs per recipe, seeds config.seed, config.seed + 1, ...
-  ablation.recipe_seeds  fewer seeds for some recipes, e.g. "bf16:2,mxfp4-dh32:2"
-                         (each recipe runs the first N of the seeds)
-  ablation.margin        nats: the smallest effect a verdict calls meaningful
-                         (fp4jax.experiments.stats.contrast_verdict)
+  ablation.recipe_seeds  fewer seeds for some recipes or arms, e.g. "bf16:2,A3:2"
+                         (each runs the first N of the seeds)
   ablation.late_from     the token multiplier uses evaluations after this
                          fraction of the tokens
   ablation.compilation_cache  JAX's persistent compilation cache directory,
@@ -67,6 +80,9 @@ from fp4jax.train import config as train_config
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
+from fp4jax.experiments import arms as arms_lib
+from fp4jax.experiments import committed
+from fp4jax.experiments import declaration
 from fp4jax.experiments import report
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -80,8 +96,9 @@ def ablation_config() -> ml_collections.ConfigDict:
   """Defaults of the `ablation` block (see the module docstring)."""
   return ml_collections.ConfigDict(dict(
       recipes=",".join(DEFAULT_RECIPES), seeds=1, recipe_seeds="", baseline="fp8",
+      arms="", declaration="",
       target_loss=config_dict.placeholder(float), target_at=1.0,
-      diverge_loss=config_dict.placeholder(float), zoom=0.5, margin=0.01, late_from=0.5,
+      diverge_loss=config_dict.placeholder(float), zoom=0.5, late_from=0.5,
       compilation_cache="~/.cache/fp4jax/jax"))
 
 
@@ -91,27 +108,38 @@ def diagnostics_config() -> ml_collections.ConfigDict:
       enabled=True, layers="", every=50, window=4, ref_batch_size=0))
 
 
-def recipe_list(config) -> list[str]:
-  """The recipes of config.ablation.recipes; unknown names raise ConfigError."""
-  names = [n.strip() for n in config.ablation.recipes.split(",") if n.strip()]
-  if not names:
-    raise train_config.ConfigError("config.ablation.recipes is empty")
-  for name in names:
-    try:
-      recipes_lib.recipe(name)
-    except ValueError as e:
-      raise train_config.ConfigError(f"config.ablation.recipes: {e}") from None
+def arm_list(config) -> list[arms_lib.Arm]:
+  """The arms of config.ablation.arms, else one per preset of .recipes;
+  unknown names or bad overrides raise ConfigError."""
+  if config.ablation.arms.strip():
+    out = arms_lib.parse_arms(config.ablation.arms)
+  else:
+    names = [n.strip() for n in config.ablation.recipes.split(",") if n.strip()]
+    if not names:
+      raise train_config.ConfigError("config.ablation.recipes is empty")
+    for name in names:
+      try:
+        recipes_lib.recipe(name)
+      except ValueError as e:
+        raise train_config.ConfigError(f"config.ablation.recipes: {e}") from None
+    out = [arms_lib.Arm(name, name, name) for name in names]
+  names = [a.name for a in out]
   if config.ablation.target_loss is None and config.ablation.baseline not in names:
     raise train_config.ConfigError(f"the baseline {config.ablation.baseline!r} is not among the recipes "
                      f"{names}; add it or set config.ablation.target_loss")
-  return names
+  return out
+
+
+def recipe_list(config) -> list[str]:
+  """The run names of the ablation (arm_list's names)."""
+  return [a.name for a in arm_list(config)]
 
 
 def seed_counts(config, names) -> dict:
   """{recipe: number of seeds}: config.ablation.seeds, or its recipe_seeds entry.
 
   Entries for presets not among `names` are ignored (the recipe list was
-  narrowed); unknown preset names raise ValueError.
+  narrowed); names neither among `names` nor presets raise ValueError.
   """
   counts = {name: config.ablation.seeds for name in names}
   for item in filter(None, (i.strip() for i in config.ablation.recipe_seeds.split(","))):
@@ -119,8 +147,9 @@ def seed_counts(config, names) -> dict:
     if not sep or not count.isdigit():
       raise ValueError(f"config.ablation.recipe_seeds entry {item!r} must be RECIPE:N with "
                        "N a positive integer, e.g. 'bf16:2'")
-    recipes_lib.recipe(name)
-    if name in counts:
+    if name not in counts:
+      recipes_lib.recipe(name)
+    else:
       counts[name] = min(int(count), config.ablation.seeds)
   if min(counts.values()) < 1:
     raise ValueError(f"every recipe needs >= 1 seed, got {counts}")
@@ -128,13 +157,19 @@ def seed_counts(config, names) -> dict:
 
 
 def run_config(config, recipe, seed) -> ml_collections.ConfigDict:
-  """The trainer config of one run: `config` without the ablation's own blocks."""
+  """The trainer config of one run: `config` without the ablation's own blocks.
+
+  recipe: a preset name or an arms.Arm (its preset and overrides on config.quant).
+  """
   cfg = copy.deepcopy(config)
   with cfg.unlocked():
     for key in _OWN_KEYS:
       if key in cfg:
         del cfg[key]
-  cfg.quant.name = recipe
+  if isinstance(recipe, arms_lib.Arm):
+    recipe.apply(cfg.quant)
+  else:
+    cfg.quant.name = recipe
   cfg.seed = seed
   cfg.target_eval_loss = None
   return cfg
@@ -177,42 +212,100 @@ def _add_wall(path, seconds):
   atomic.write_text(file, json.dumps({"wall_s": total + seconds}))
 
 
-def run_ablation(config, workdir) -> list:
-  """Runs (or resumes) every run of the ablation, then writes the report; returns its rows."""
-  names = recipe_list(config)
+def run_ablation(config, workdir, results=None, git_commit=False) -> list:
+  """Runs (or resumes) every run of the ablation, then writes the report; returns its rows.
+
+  results: None, or the folder that receives each finished run's records
+  (committed.publish) and the report; runs complete there are skipped.
+  git_commit: commit each published run folder (results only).
+  """
+  arms = arm_list(config)
+  names = [a.name for a in arms]
   if config.ablation.seeds < 1:
     raise train_config.ConfigError(
         f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
+  if git_commit and not results:
+    raise train_config.ConfigError("--git_commit needs --results=FOLDER (what it commits)")
   counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
+  runs = [(arm, seed, report.run_dir(workdir, arm.name, seed, len(seeds)))
+          for i, seed in enumerate(seeds) for arm in arms if i < counts[arm.name]]
+  out = results or workdir
   workdir_lib.prepare(workdir)
-  atomic.write_text(os.path.join(workdir, "ablation_config.json"),
-                    config.to_json(indent=2))
+  workdir_lib.prepare(out)
+  if config.ablation.declaration:
+    _record_declaration(config.ablation.declaration, out, [p for _, _, p in runs], results,
+                        git_commit)
+  for folder in {workdir, out}:
+    atomic.write_text(os.path.join(folder, "ablation_config.json"), config.to_json(indent=2))
+    workdir_lib.write_json(os.path.join(folder, "arms.json"), {
+        a.name: dict(spec=a.spec, recipe=a.recipe.name) for a in arms})
   if config.ablation.compilation_cache:
     jax.config.update("jax_compilation_cache_dir",
                       os.path.expanduser(config.ablation.compilation_cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  for i, seed in enumerate(seeds):
-    for name in names:
-      if i >= counts[name]:
-        continue
-      path = report.run_dir(workdir, name, seed, len(seeds))
-      status = _status(path)
-      if status not in (None, "interrupted"):
-        print(f"ablation: {path} already {status}, skipped", flush=True)
-        continue
-      cfg = run_config(config, name, seed)
-      callback = diagnostics_callback(config, cfg)
-      print(f"ablation: training {name} (seed {seed}) in {path}", flush=True)
-      t0 = time.time()
-      try:
-        summary = trainer.train(cfg, path, callbacks=[callback] if callback else [])
-      finally:
-        _add_wall(path, time.time() - t0)
+  for arm, seed, path in runs:
+    if _published(results, path):
+      print(f"ablation: {_published(results, path)} complete in the results, skipped", flush=True)
+      continue
+    status = _status(path)
+    if status not in (None, "interrupted"):
+      print(f"ablation: {path} already {status}, skipped", flush=True)
+    else:
+      summary = _train(config, arm, seed, path)
       if summary["status"] == "interrupted":
         print("ablation: interrupted; run the same command again to resume", flush=True)
-        return _report(config, workdir, names)
-  return _report(config, workdir, names)
+        return _report(config, out, names)
+    if results:
+      dst = committed.publish(path, os.path.join(results, os.path.basename(path)))
+      if git_commit:
+        committed.git_commit([dst], f"{dst}: {arm.name} seed {seed} finished")
+  rows = _report(config, out, names)
+  if git_commit:
+    committed.git_commit([results], f"{results}: report")
+  return rows
+
+
+def _record_declaration(path, folder, run_paths, results, git_commit):
+  """Records the declaration `path` in `folder` before the study's first run;
+  UserError when it changed since, or when runs finished before any record."""
+  state = declaration.status(folder, path)
+  if state == "changed":
+    raise errors.UserError(
+        f"the declaration {path!r} changed after the study began (recorded in "
+        f"{os.path.join(folder, declaration.RECORD)}); restore it (git checkout) or start a "
+        "new study in another results folder")
+  if state == "declared":
+    return
+  done = [os.path.basename(p) for p in run_paths
+          if _status(p) in committed.FINISHED or _published(results, p)]
+  if done:
+    raise errors.UserError(
+        f"the declaration {path!r} was not recorded before the first run ({len(done)} runs "
+        f"finished: {', '.join(done[:3])}); a declared study starts with no finished runs")
+  declaration.record(folder, path)
+  if git_commit:
+    committed.git_commit([os.path.join(folder, declaration.RECORD), path],
+                         f"{folder}: declaration recorded before the first run")
+
+
+def _published(results, path):
+  """RESULTS/<run> when it holds the complete records of run `path`, else None."""
+  if not results:
+    return None
+  dst = os.path.join(results, os.path.basename(path))
+  return dst if committed.is_complete(dst) else None
+
+
+def _train(config, arm, seed, path):
+  cfg = run_config(config, arm, seed)
+  callback = diagnostics_callback(config, cfg)
+  print(f"ablation: training {arm.name} (seed {seed}) in {path}", flush=True)
+  t0 = time.time()
+  try:
+    return trainer.train(cfg, path, callbacks=[callback] if callback else [])
+  finally:
+    _add_wall(path, time.time() - t0)
 
 
 def _report(config, workdir, names):
@@ -220,7 +313,7 @@ def _report(config, workdir, names):
   rows = report.write_report(
       workdir, names, baseline=ab.baseline, target=ab.target_loss,
       diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
-      margin=ab.margin, late_from=ab.late_from,
+      late_from=ab.late_from, declaration=ab.declaration or None,
       window=config.diagnostics.window if config.diagnostics.enabled else None)
   with open(os.path.join(workdir, "table.md")) as f:
     print(f.read(), flush=True)
@@ -236,7 +329,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
-    run_ablation(config, workdir)
+    run_ablation(config, workdir, flags.FLAGS.results, flags.FLAGS.git_commit)
   except errors.UserError as e:
     return errors.report(_PROG, e)
   return 0
@@ -252,4 +345,7 @@ if __name__ == "__main__":
   # Flags are defined here, not at import: config files import this module.
   config_flags.DEFINE_config_file("config", None, "ablation config file", lock_config=True)
   flags.DEFINE_string("workdir", None, "directory of the ablation's runs")
+  flags.DEFINE_string("results", None, "folder (kept in git) that receives each finished "
+                      "run's records and the report; runs complete there are skipped")
+  flags.DEFINE_boolean("git_commit", False, "commit each finished run's folder of --results")
   app.run(main, flags_parser=cli.flags_parser(_PROG))

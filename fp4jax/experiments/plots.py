@@ -188,13 +188,12 @@ def plot_diagnostics_summary(path, summary, window=None):
   return True
 
 
-def plot_snr(path, series, threshold, crossings):
-  """snr.png: per recipe (panels), the training-batch SNR of each (layer, role) over steps.
+def plot_snr(path, series, threshold):
+  """snr.png: per recipe (panels), the training-batch SNRs of each (layer, role) over steps.
 
-  series: {recipe: {(layer, role): (steps, snr)}}; crossings: the same keys
-  to stats.Crossing. A dotted line at `threshold`; a measured crossing is a
-  dot on it, an extrapolated one a dashed trend line to an open circle,
-  labelled "extrapolated" with its step.
+  series: {recipe: {(layer, role, stat): (steps, values)}}, stat "snr" (the
+  batch SNR, thin) or "snr_true" (the expected gradient's, thick); a dotted
+  line at `threshold`.
   """
   if not series:
     return False
@@ -206,38 +205,49 @@ def plot_snr(path, series, threshold, crossings):
   role_colors = {"fprop": "tab:blue", "dgrad": "tab:orange", "wgrad": "tab:red"}
   styles = ["-", "--", ":", "-."]
   for ax, recipe in zip(axes.ravel(), recipes):
-    layers = sorted({layer for layer, _ in series[recipe]})
-    notes = []
-    for (layer, role), (steps, snr) in sorted(series[recipe].items()):
-      color = role_colors.get(role, "k")
-      ax.plot(steps, snr, color=color, ls=styles[layers.index(layer) % len(styles)], lw=1,
-              marker=".", ms=3, label=f"{role} {layer}")
-      c = crossings[recipe][(layer, role)]
-      if c.step is None:
-        continue
-      if c.extrapolated:
-        if c.step < 20 * steps[-1]:  # draw the trend only when it lands near the run
-          ax.plot([steps[-1], c.step], [snr[-1], threshold], color=color, ls=(0, (2, 2)), lw=0.7)
-          ax.plot([c.step], [threshold], "o", mfc="none", color=color)
-        notes.append(f"{role} {layer}: extrapolated ~{c.step:,.0f}")
-      else:
-        ax.plot([c.step], [threshold], "o", color=color)
-        notes.append(f"{role} {layer}: measured {c.step:,.0f}")
+    layers = sorted({layer for layer, _, _ in series[recipe]})
+    for (layer, role, stat), (steps, values) in sorted(series[recipe].items()):
+      ax.plot(steps, values, color=role_colors.get(role, "k"),
+              ls=styles[layers.index(layer) % len(styles)], lw=2 if stat == "snr_true" else 0.8,
+              marker=".", ms=3, label=f"{stat} {role} {layer}")
     ax.axhline(threshold, color="k", ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_title(recipe, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=7)
-    if notes:
-      ax.text(0.02, 0.02, "sqrt(3) reached:\n" + "\n".join(notes[:6]), transform=ax.transAxes,
-              fontsize=5.5, va="bottom")
   for ax in axes.ravel()[len(recipes):]:
     ax.axis("off")
-  axes[0, 0].set_ylabel("||exact|| / ||quant. error||", fontsize=8)
+  axes[0, 0].set_ylabel("signal / ||quant. error||", fontsize=8)
   axes[0, 0].legend(fontsize=5.5, loc="upper right")
-  fig.suptitle("Gradient signal-to-noise on the training batch (dotted: sqrt(3))", fontsize=10)
+  fig.suptitle("Training-batch SNR (thin) and expected-gradient snr_true (thick); dotted: "
+               f"{threshold:.3g}", fontsize=10)
   fig.tight_layout()
   fig.savefig(path)
   plt.close(fig)
   return True
+
+
+def plot_contrasts(path, curves, threshold_steps=None):
+  """One panel per contrast: its per-seed paired difference (nats) against
+  steps (log axis), one thin line per seed, the mean over seeds thick with a
+  min-max band. curves: {label: (steps_T, diff_SxT)}; threshold_steps: {label:
+  step} marks (e.g. where an SNR falls below its threshold), optional."""
+  if not curves:
+    return
+  fig, axes = plt.subplots(1, len(curves), figsize=(4.5 * len(curves), 3.6), squeeze=False)
+  for ax, (label, (steps, diff)) in zip(axes[0], curves.items()):
+    keep = steps > 0
+    for row in diff:
+      ax.plot(steps[keep], row[keep], color="0.6", lw=0.8)
+    ax.fill_between(steps[keep], diff[:, keep].min(0), diff[:, keep].max(0), color="C0", alpha=0.2)
+    ax.plot(steps[keep], diff[:, keep].mean(0), color="C0", lw=2, label=f"mean of {len(diff)}")
+    ax.axhline(0, color="k", lw=0.6)
+    if threshold_steps and threshold_steps.get(label) is not None:
+      ax.axvline(threshold_steps[label], color="C3", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set(title=label, xlabel="step", ylabel="paired difference of val loss (nats)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

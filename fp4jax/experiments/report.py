@@ -3,10 +3,14 @@
 `load_runs` reads WORKDIR/<run>/metrics.jsonl (and summary.json, wall.json);
 `summarize` turns the validation curves into the table's rows (tokens to
 target, overhead, divergence, paired against the baseline of the same seed);
-`write_report` writes table.md and the figures of fp4jax.experiments.plots.
+`write_report` writes table.md and the figures of fp4jax.experiments.plots;
+the verdicts follow the study's declaration (fp4jax.experiments.declaration;
+default WORKDIR/DECLARATION.json), flagged EXPLORATORY when it was not
+recorded before the first run or changed since.
 
-`python -m fp4jax.experiments.report WORKDIR [--target=LOSS] [--target_at=F]`
-redraws them from whatever runs have finished (or are still going).
+`python -m fp4jax.experiments.report WORKDIR [--target=LOSS] [--target_at=F]
+[--declaration=PATH]` redraws them from whatever runs have finished (or are
+still going).
 """
 
 import dataclasses
@@ -20,9 +24,12 @@ import numpy as np
 
 from fp4jax import diagnostics
 from fp4jax import errors
+from fp4jax.experiments import declaration as declaration_lib
+from fp4jax.experiments import inference
 from fp4jax.experiments import plots
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
+from fp4jax.experiments import verdicts
 from fp4jax.train.metrics_log import read_metrics
 
 # Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (research.md).
@@ -31,7 +38,7 @@ PAPER = {
     "mxfp4-fprop-dgrad": "10-11%", "mxfp4": "26-27%", "mxfp4-sr": "diverges",
     "mxfp4-rh16": "diverges", "mxfp4-dh16": "8-9%", "mxfp4-dh32": "8-9%",
 }
-SNR_ROLES = ("wgrad", "dgrad")
+SNR_STATS = ("snr", "snr_true")
 _SEED_DIR = re.compile(r"(.+)_seed(\d+)$")
 
 
@@ -98,8 +105,8 @@ def load_runs(workdir, recipes=None) -> dict:
   found = {}
   for name in sorted(os.listdir(workdir)):
     path = os.path.join(workdir, name)
-    if not os.path.isfile(os.path.join(path, "metrics.jsonl")):
-      continue
+    if name.startswith(".") or not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+      continue  # hidden: a results folder's copy in progress (committed.publish)
     match = _SEED_DIR.fullmatch(name)
     recipe, seed = (match.group(1), int(match.group(2))) if match else (name, None)
     run = load_run(path, recipe, seed)
@@ -211,18 +218,19 @@ def _fmt(ms, fmt, scale=1.0, unit=""):
   return out + (f" ± {abs(spread) * scale:{fmt.lstrip('+')}}{unit}" if spread else "")
 
 
-def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=()):
+def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=(), banner=""):
   """Writes table.md: one line per recipe, the paper's overhead beside ours.
 
   targets: {seed: target loss}; note: how the target was chosen
   (target_note). diag: optional {recipe: {column: value}}, a second table.
-  sections: further markdown lines, appended (paired estimates, SNR, verdicts).
+  sections: further markdown lines, appended (paired estimates, SNR, verdicts);
+  banner: text before everything else.
   """
   seeds = max((r.n for r in rows), default=1)
   values = ", ".join(f"{t:.4f}" + ("" if s is None else f" (seed {s})")
                      for s, t in sorted(targets.items(), key=lambda kv: str(kv[0])))
   lines = [
-      f"Target: validation loss {values} ({note}); overhead = tokens to target / the "
+      f"{banner}Target: validation loss {values} ({note}); overhead = tokens to target / the "
       f"same seed's baseline tokens - 1; diverged = non-finite loss, stopped on "
       f"non-finite steps, or final loss > "
       f"{diverge_loss if diverge_loss is None else round(diverge_loss, 4)}."
@@ -243,16 +251,22 @@ def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=())
         f"{_fmt(r.overhead, '+.1f', 100, '%')} | {diverged} | "
         f"{r.skipped} | {'-' if r.wall_s is None else f'{r.wall_s:.0f}'} | "
         f"{PAPER.get(r.recipe, '')} |")
-  if diag:
-    cols = list(next(iter(diag.values())))
-    lines += ["", "Wgrad error diagnostics (mean over measured steps and layers):", "",
-              "| recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for recipe, values in diag.items():
-      lines.append(f"| {recipe} | " + " | ".join(
-          "-" if values[c] is None else f"{values[c]:.3f}" for c in cols) + " |")
+  lines += diag_table("Wgrad error diagnostics (mean over measured steps and layers):", diag)
   lines += list(sections)
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
+
+
+def diag_table(title, diag, fmt=".3f") -> list[str]:
+  """Markdown lines: `title`, then one row per recipe of diag {recipe: {column: value}}."""
+  if not diag:
+    return []
+  cols = list(next(iter(diag.values())))
+  lines = ["", title, "", "| recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+  for recipe, values in diag.items():
+    lines.append(f"| {recipe} | " + " | ".join(
+        "-" if values[c] is None else f"{values[c]:{fmt}}" for c in cols) + " |")
+  return lines
 
 
 DIAG_COLUMNS = {
@@ -266,15 +280,32 @@ DIAG_COLUMNS = {
 }
 
 
-def diag_summary(runs):
-  """{recipe: {column of DIAG_COLUMNS: mean over its runs, layers and steps}}."""
+INSTRUMENT_COLUMNS = {
+    "wgrad snr": ("train", "wgrad", "snr"),
+    "wgrad snr_true": ("train", "wgrad", "snr_true"),
+    "wgrad kappa": ("train", "wgrad", "kappa"),
+    "wgrad signed X": ("train", "wgrad", "lhs_signed"),
+    "wgrad signed dY": ("train", "wgrad", "rhs_signed"),
+    "wgrad signed out": ("train", "wgrad", "out_signed"),
+    "fprop signed X": ("train", "fprop", "lhs_signed"),
+    "fprop signed W": ("train", "fprop", "rhs_signed"),
+    "fprop signed out": ("train", "fprop", "out_signed"),
+    "dgrad signed dY": ("train", "dgrad", "lhs_signed"),
+    "dgrad signed out": ("train", "dgrad", "out_signed"),
+}
+
+
+def diag_summary(runs, columns=None):
+  """{recipe: {column: mean over its runs, layers and steps}} for columns
+  {name: (source, role, stat)} (default DIAG_COLUMNS); recipes without any left out."""
+  columns = columns or DIAG_COLUMNS
   out = {}
   for recipe, rs in runs.items():
-    values = {c: [] for c in DIAG_COLUMNS}
+    values = {c: [] for c in columns}
     for run in rs:
       for key, (_, v) in plots.diag_series(run.rows).items():
         source, _, role, stat = plots.parse_key(key)
-        for col, want in DIAG_COLUMNS.items():
+        for col, want in columns.items():
           if (source, role, stat) == want:
             values[col].extend(v[np.isfinite(v)])
     if any(values.values()):
@@ -297,103 +328,155 @@ def _paired_eval_se(run, base):
   return float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
 
 
+def _interval_text(i, fmt=".3f"):
+  if not math.isfinite(i.mean):
+    return "-"
+  return f"{i.mean:{fmt}}" if i.n < 2 else f"{i.mean:{fmt}} [{i.lo:{fmt}}, {i.hi:{fmt}}]"
+
+
+def _agree(a, b) -> str:
+  """"yes" when two multiplier intervals say the same about 1 and hold each other's mean."""
+  if a.n < 2 or b.n < 2 or not (math.isfinite(a.mean) and math.isfinite(b.mean)):
+    return "-"
+  side = lambda i: (i.lo > 1) - (i.hi < 1)
+  same = side(a) == side(b) and a.contains(b.mean) and b.contains(a.mean)
+  return "yes" if same else "NO"
+
+
 def estimates_section(runs, baseline="fp8", late_from=0.5):
-  """Markdown: per recipe, the paired final-loss difference and token multiplier vs the baseline."""
+  """Markdown: per recipe, paired loss differences and token multipliers vs the baseline."""
   base = {r.seed: r for r in runs.get(baseline, [])}
   ses = [_final_eval(r).get("eval_loss_se") for rs in runs.values() for r in rs if _final_eval(r)]
   ses = [x for x in ses if x is not None]
   lines = ["", f"Paired estimates against `{baseline}` (same seed: same data order and "
-           "initialisation); mean [95% Student t-interval over seeds]. Token multiplier: "
+           "initialisation); mean [95% Student t-interval over seeds, not adjusted for "
+           f"multiplicity]. Δ late mean: the mean over the evaluations in the last "
+           f"{1 - late_from:.0%} of training of the paired difference. Token multiplier: "
            f"recipe tokens / `{baseline}` tokens for the same validation loss, over the "
-           f"recipe's evaluations in the last {1 - late_from:.0%} of training against "
-           f"`{baseline}`'s monotone-smoothed curve (geometric mean per seed); "
-           "'extrapolated' counts evaluations below the baseline's last loss, read off its "
-           "log-linear trend. Eval SE: standard error of the final evaluation over its "
+           f"recipe's evaluations in the last {1 - late_from:.0%} of training (geometric mean "
+           f"per seed), against `{baseline}`'s monotone-smoothed curve or against "
+           "L = E + A t^-alpha fitted to it per seed (power law); 'agree' says whether the "
+           "two intervals hold each other's mean and say the same about 1; 'extrapolated' "
+           "counts evaluations below the baseline's last loss (monotone: read off its "
+           "log-linear trend). Eval SE: standard error of the final evaluation over its "
            "batches"
            + (f" (absolute, mean over runs: {np.mean(ses):.4f} nats)" if ses else "")
            + "; paired: of the difference to the same seed's baseline on the same windows.",
-           "", "| recipe | pairs | Δ final val loss (nats) | token multiplier "
-           "| extrapolated evals | paired eval SE |", "|---|---|---|---|---|---|"]
+           "", "| recipe | pairs | Δ late mean (nats) | Δ final val loss (nats) "
+           "| token multiplier (monotone) | token multiplier (power law) | agree "
+           "| extrapolated evals (monotone / power law) | paired eval SE |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for recipe, rs in runs.items():
     if recipe == baseline:
       continue
     pairs = [(r, base[r.seed]) for r in rs if r.seed in base and r.loss_T.size
              and base[r.seed].loss_T.size]
+    late = stats.t_interval([stats.late_mean(r.tokens_T, r.loss_T, late_from)
+                             - stats.late_mean(b.tokens_T, b.loss_T, late_from) for r, b in pairs])
     deltas = stats.t_interval([r.final_loss - b.final_loss for r, b in pairs])
-    mults = [stats.token_multiplier(r.tokens_T, r.loss_T, b.tokens_T, b.loss_T, late_from)
-             for r, b in pairs]
-    mult = stats.multiplier_interval(mults)
-    mult_text = ("-" if not math.isfinite(mult.mean) else f"{mult.mean:.3f}" if mult.n < 2
-                 else f"{mult.mean:.3f} [{mult.lo:.3f}, {mult.hi:.3f}]")
-    extra = f"{sum(m.extrapolated for m in mults)}/{sum(m.points for m in mults)}"
+    mults = {curve: [stats.token_multiplier(r.tokens_T, r.loss_T, b.tokens_T, b.loss_T,
+                                            late_from, curve) for r, b in pairs]
+             for curve in (stats.BaselineCurve, stats.PowerLawCurve)}
+    mono, power = (stats.multiplier_interval(m) for m in mults.values())
+    extra = " / ".join(f"{sum(m.extrapolated for m in ms)}/{sum(m.points for m in ms)}"
+                       for ms in mults.values())
     paired = [x for x in (_paired_eval_se(r, b) for r, b in pairs) if x is not None]
-    lines.append(f"| {recipe} | {len(pairs)} | {deltas} | {mult_text} | {extra} | "
+    lines.append(f"| {recipe} | {len(pairs)} | {late} | {deltas} | {_interval_text(mono)} | "
+                 f"{_interval_text(power)} | {_agree(mono, power)} | {extra} | "
                  + (f"{np.mean(paired):.4f}" if paired else "-") + " |")
   return lines
 
 
-def snr_series(runs, roles=SNR_ROLES):
-  """{recipe: {(layer, role): (steps, snr)}}: training-batch SNR, geometric mean over seeds."""
+def snr_series(runs, stats_=SNR_STATS):
+  """{recipe: {(layer, role, stat): (steps, values)}}: training-batch SNRs, geometric mean over seeds."""
   out = {}
   for recipe, rs in runs.items():
     per = {}
     for run in rs:
       for key, (steps, values) in plots.diag_series(run.rows).items():
         source, layer, role, stat = plots.parse_key(key)
-        if source == "train" and stat == "snr" and role in roles:
-          per.setdefault((layer, role), []).append(dict(zip(steps.tolist(), values.tolist())))
+        if source == "train" and stat in stats_ and role == "wgrad":
+          per.setdefault((layer, role, stat), []).append(dict(zip(steps.tolist(), values.tolist())))
     series = {}
     for name, dicts in per.items():
       common = sorted(set.intersection(*(set(d) for d in dicts)))
       if common:
-        series[name] = (np.array(common, np.float64), np.exp(
-            [np.mean([math.log(d[s]) for d in dicts]) for s in common]))
+        with np.errstate(divide="ignore", invalid="ignore"):
+          series[name] = (np.array(common, np.float64), np.exp(
+              [np.mean(np.log([d[s] for d in dicts])) for s in common]))
     if series:
       out[recipe] = series
   return out
 
 
-def _crossing_text(c):
-  if c.step is None:
-    return "none: the trend does not fall"
-  if c.extrapolated:
-    return f"~{c.step:,.0f} (EXTRAPOLATED, log-linear trend)"
-  return f"{c.step:,.0f} (measured)"
+def instruments_section(runs):
+  """Markdown: per recipe, the batch SNR, snr_true, kappa and signed errors (training batch)."""
+  summary = diag_summary(runs, INSTRUMENT_COLUMNS)
+  summary = {r: v for r, v in summary.items() if v["wgrad snr_true"] is not None}
+  if not summary:
+    return ["", "Instruments: these runs logged no snr_true (diagnostics older than it)."]
+  return diag_table(
+      "Instruments on the training batch (fp4jax.diagnostics; mean over measured steps, layers "
+      "and runs): wgrad snr = ||exact dW|| / ||its quantization error||; snr_true = "
+      "sqrt(max(<dW_a, dW_b>, 0)) / the same error, dW_a and dW_b the exact gradients of the "
+      "two halves of the batch; kappa = snr x sqrt(eps_X^2 + eps_dY^2) (1: the batch SNR is "
+      "the format's constant); signed = <q(a) - a, a> / ||a||^2 of each operand and of the "
+      "GEMM output (negative: shrinkage toward zero).", summary, "+.4f")
 
 
-def snr_section(series):
-  """Markdown: per recipe, role and layer, the SNR at the start and end and its sqrt(3) crossing."""
-  if not series:
-    return []
-  lines = ["", "Gradient signal-to-noise on the training batch, ||exact|| / ||quantization "
-           "error|| of the GEMM output (geometric mean over seeds); the step at which it "
-           "reaches sqrt(3) = 1.732, the threshold of Chmiel et al. (\"FP4 All the Way\"), "
-           "measured or extrapolated from ln(SNR) linear in step over the second half of the "
-           "run:", "", "| recipe | role | layer | first SNR | last SNR | reaches sqrt(3) at step |",
-           "|---|---|---|---|---|---|"]
-  for recipe, by in series.items():
-    for (layer, role), (steps, snr) in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-      if not np.all(np.isfinite(snr)):
-        continue
-      c = stats.threshold_crossing(steps, snr)
-      lines.append(f"| {recipe} | {role} | {layer} | {snr[0]:.2f} | {snr[-1]:.2f} | "
-                   f"{_crossing_text(c)} |")
-  return lines
+def smallest_effect(runs, decl):
+  """(the baseline's late slope dL/d ln(tokens), mean over its seeds; the
+  declaration's smallest effect of interest in nats through it)."""
+  slopes = [inference.log_slope(r.tokens_T, r.loss_T, decl.late_from)
+            for r in runs.get(decl.baseline) or []]
+  slope = float(np.nanmean(slopes)) if slopes else math.nan
+  return slope, inference.effect_nats(slope, decl.smallest_effect_tokens)
 
 
-def verdict_section(runs, margin=0.01):
-  """Markdown: one line per claim of the paper, decided by its paired interval."""
-  final = {recipe: {r.seed: r.final_loss for r in rs} for recipe, rs in runs.items()}
-  return ["", f"Verdicts at this scale (contrasts of per-seed final validation losses, 95% "
-          f"t-intervals over seeds; '> 0' claims are supported when the interval lies above "
-          f"0 and contradicted when it lies below {margin} nats, '!= 0' claims supported when "
-          f"it excludes 0 and contradicted when it lies inside ±{margin} nats):", ""] + \
-      stats.verdict_lines(final, margin)
+def verdict_section(runs, decl, workdir):
+  """Markdown: the declaration's status, its smallest effect in nats, one line per claim."""
+  if decl is None:
+    return ["", "Verdicts: none (no declaration; see fp4jax.experiments.declaration)."]
+  state = declaration_lib.status(workdir, decl.path)
+  head = {
+      "declared": "Declared before the first run (its SHA-256 was recorded when the runs "
+                  "began and matches).",
+      "changed": "**EXPLORATORY: the declaration changed after the first run began** (its "
+                 "SHA-256 differs from the one recorded then).",
+      "undeclared": "**EXPLORATORY: these rules were fixed after the data were seen** (no "
+                    "declaration was recorded when the first run began)."}[state]
+  base = runs.get(decl.baseline) or []
+  slope, smallest = smallest_effect(runs, decl)
+  if decl.primary == "late_mean":
+    primary = {rc: {r.seed: stats.late_mean(r.tokens_T, r.loss_T, decl.late_from) for r in rs}
+               for rc, rs in runs.items()}
+    what = (f"the per-seed mean over the evaluations in the last {1 - decl.late_from:.0%} of "
+            "training of the contrast of validation losses")
+  else:
+    primary = {rc: {r.seed: r.final_loss for r in rs} for rc, rs in runs.items()}
+    what = "the per-seed contrast of final validation losses"
+  results = verdicts.evaluate(decl, primary, smallest)
+  return ["", f"Verdicts by the declaration `{os.path.basename(decl.path)}` of study "
+          f"`{decl.study}`. {head} Primary statistic: {what}. Smallest effect of interest: "
+          f"{decl.smallest_effect_tokens:.0%} more tokens = {smallest:.4f} nats through "
+          f"`{decl.baseline}`'s late slope dL/d ln(tokens) = {slope:.4f} (mean over its "
+          f"{len(base)} seeds). {decl.correction.capitalize()} over the {len(decl.claims)} "
+          f"claims at family level {decl.alpha}: a claim's p is its largest contrast p; each "
+          "interval is the t-interval at the level Holm gives its claim. '> 0' is supported "
+          "when that interval lies above 0 and contradicted when it lies below the smallest "
+          "effect; '!= 0' supported when it excludes 0, contradicted inside ± the smallest "
+          "effect. Sign-flip p: exact over all sign patterns of the seeds (unadjusted). MDE: "
+          f"the true effect found with {decl.power:.0%} power at the claim's level, taking the "
+          "observed spread as the true one.", ""] + verdicts.lines(results, smallest, decl.power)
 
 
 def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_loss=None,
-                 zoom=0.5, window=None, target_at=1.0, margin=0.01, late_from=0.5):
-  """Writes table.md, curves.png, diagnostics.png, snr.png and <run>/diagnostics.png; returns rows."""
+                 zoom=0.5, window=None, target_at=1.0, late_from=0.5, declaration=None):
+  """Writes table.md, curves.png, diagnostics.png, snr.png and <run>/diagnostics.png; returns rows.
+
+  declaration: the study's declaration file (default WORKDIR/DECLARATION.json;
+  without one the table has no verdicts).
+  """
   runs = load_runs(workdir, recipes)
   if not runs and os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
     parent = os.path.dirname(os.path.abspath(workdir))
@@ -402,17 +485,21 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
         f"the folder that holds the runs, e.g. {parent!r}")
   if not runs:
     raise errors.UserError(f"no runs with metrics.jsonl under {workdir!r}")
+  default = os.path.join(workdir, "DECLARATION.json")
+  decl = declaration_lib.load(declaration or default) if (
+      declaration or os.path.exists(default)) else None
   note = target_note(baseline, target is not None, target_at)
   rows, targets, diverge_loss = summarize(runs, baseline, target, diverge_loss, target_at)
   diag = diag_summary(runs)
   series = snr_series(runs)
   sections = (estimates_section(runs, baseline, late_from) if baseline in runs else [])
-  sections += snr_section(series) + verdict_section(runs, margin)
+  sections += instruments_section(runs) + verdict_section(runs, decl, workdir)
+  banner = ("**EXPLORATORY: the verdicts of this table do not follow rules declared before "
+            "its first run** (see the verdicts' paragraph).\n\n") if (
+      decl is not None and declaration_lib.status(workdir, decl.path) != "declared") else ""
   write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
-              sections)
-  plots.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD,
-                 {r: {k: stats.threshold_crossing(*v) for k, v in by.items()}
-                  for r, by in series.items()})
+              sections, banner)
+  plots.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD)
   plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
                     float(np.mean(list(targets.values()))), baseline)
   plots.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
@@ -423,8 +510,8 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
 
 
 _USAGE = ("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "
-          "[--target_at=FRACTION] [--baseline=NAME]")
-_OPTIONS = {"target": float, "target_at": float, "baseline": str}
+          "[--target_at=FRACTION] [--baseline=NAME] [--declaration=PATH]")
+_OPTIONS = {"target": float, "target_at": float, "baseline": str, "declaration": str}
 
 
 def _options(args):
@@ -467,7 +554,8 @@ def _redraw(workdir, opts):
       baseline=opts.get("baseline", ab.get("baseline", "fp8")),
       target=None if target is None else float(target),
       diverge_loss=ab.get("diverge_loss"), zoom=ab.get("zoom", 0.5),
-      margin=ab.get("margin", 0.01), late_from=ab.get("late_from", 0.5),
+      late_from=ab.get("late_from", 0.5),
+      declaration=opts.get("declaration", ab.get("declaration")) or None,
       window=diag.get("window") if diag.get("enabled") else None,
       target_at=float(opts.get("target_at", ab.get("target_at", 1.0))))
   with open(os.path.join(workdir, "table.md")) as f:

@@ -1,30 +1,33 @@
-"""Paired estimates with confidence intervals, and the verdicts on the paper's claims.
+"""Paired estimates with confidence intervals over seeds.
 
 Every recipe of a seed sees the same initialisation and data order, so each
 recipe is compared with the baseline (or another recipe) of the same seed and
-the intervals are over seeds: a 95% Student t-interval of the per-seed values
+the intervals are over seeds: a Student t-interval of the per-seed values
 (`t_interval`; n - 1 degrees of freedom, no interval with one seed).
 
-Two per-seed estimates:
+Per-seed estimates:
+  late mean              the mean validation loss over the evaluations of the
+                         late part of training (`late_mean`);
   final-loss difference  the recipe's final validation loss minus the other's;
   token multiplier       how many times the tokens the baseline needs to reach
                          the loss the recipe reaches (`token_multiplier`):
                          for each of the recipe's evaluations in the late part
-                         of training, the tokens at which the baseline's
-                         monotone-smoothed curve reaches that loss, the ratio
-                         of the two token counts, and the geometric mean of the
-                         ratios. 1.10 = the recipe needs 10% more tokens.
-Claims (`CLAIMS`) are linear contrasts of per-seed final losses, e.g. the
-Wgrad increment minus the Dgrad increment; `verdict` reads their intervals.
+                         of training, the tokens at which the baseline reaches
+                         that loss, the ratio of the two token counts, and the
+                         geometric mean of the ratios (1.10 = the recipe needs
+                         10% more tokens). The baseline is read off its
+                         monotone-smoothed curve (`BaselineCurve`) or a fitted
+                         L = E + A t^-alpha (`PowerLawCurve`).
+`contrast_values` gives a linear contrast of per-seed values (e.g. the Wgrad
+increment minus the Dgrad increment); fp4jax.experiments.verdicts judges them.
 """
 
 import dataclasses
 import math
 
 import numpy as np
+from scipy import optimize
 from scipy import stats as scipy_stats
-
-from fp4jax import diagnostics
 
 LEVEL = 0.95
 
@@ -118,6 +121,51 @@ class BaselineCurve:
 
 
 @dataclasses.dataclass(frozen=True)
+class PowerLawCurve:
+  """The baseline as L = E + A t^-alpha (least squares over its evaluations at t > 0), inverted.
+
+  A loss at or below E is never reached (nan); below the baseline's last
+  measured loss the look-up is an extrapolation of the fit.
+  """
+  e: float
+  a: float
+  alpha: float
+  last_loss: float
+
+  @classmethod
+  def fit(cls, tokens_T, loss_T, late_from=None):
+    del late_from  # the whole curve fixes the three parameters
+    tokens_T, loss_T = np.asarray(tokens_T, np.float64), np.asarray(loss_T, np.float64)
+    keep = np.isfinite(loss_T) & (tokens_T > 0)
+    t, l = tokens_T[keep] / tokens_T[keep][-1], loss_T[keep]  # t in (0, 1]: A = excess at the end
+    if t.size < 3:
+      return cls(math.nan, math.nan, math.nan, math.nan)
+
+    def resid(p):
+      return p[0] + np.exp(p[1]) * t ** -p[2] - l
+
+    best = None
+    for alpha0 in (0.2, 0.5, 1.0):  # a few starts: the fit is not convex
+      a0 = max(l[-1] - 0.5 * l.min(), 1e-3)
+      start = (l.min() - a0, math.log(a0), alpha0)
+      try:
+        res = optimize.least_squares(resid, start, bounds=([-np.inf, -30, 1e-4], [np.inf, 30, 5]))
+      except ValueError:
+        continue
+      if best is None or res.cost < best.cost:
+        best = res
+    e, log_a, alpha = best.x
+    return cls(float(e), float(math.exp(log_a)) * float(tokens_T[keep][-1]) ** float(alpha),
+               float(alpha), float(l[-1]))
+
+  def tokens_for(self, loss):
+    """(tokens, extrapolated?) at which the fitted baseline reaches `loss` (nan: never)."""
+    if not math.isfinite(self.e) or loss <= self.e:
+      return math.nan, True
+    return float(((loss - self.e) / self.a) ** (-1.0 / self.alpha)), bool(loss < self.last_loss)
+
+
+@dataclasses.dataclass(frozen=True)
 class Multiplier:
   """One seed's token multiplier: value, evaluations used, how many extrapolated."""
   value: float
@@ -125,14 +173,17 @@ class Multiplier:
   extrapolated: int
 
 
-def token_multiplier(tokens_T, loss_T, base_tokens_T, base_loss_T, late_from=0.5) -> Multiplier:
+def token_multiplier(tokens_T, loss_T, base_tokens_T, base_loss_T, late_from=0.5,
+                     curve=None) -> Multiplier:
   """Recipe tokens / baseline tokens for the same loss, over evaluations at tokens >= late_from * last.
 
   The geometric mean of the per-evaluation ratios; nan when the recipe has a
   non-finite loss in that part (it diverged) or no point can be inverted.
+  curve: how the baseline is read, BaselineCurve (default: monotone) or
+  PowerLawCurve (parametric).
   """
   tokens_T, loss_T = np.asarray(tokens_T, np.float64), np.asarray(loss_T, np.float64)
-  base = BaselineCurve.fit(base_tokens_T, base_loss_T, late_from)
+  base = (curve or BaselineCurve).fit(base_tokens_T, base_loss_T, late_from)
   late = tokens_T >= late_from * tokens_T[-1]
   if not np.all(np.isfinite(loss_T[late])):
     return Multiplier(math.nan, 0, 0)
@@ -152,48 +203,18 @@ def multiplier_interval(multipliers) -> Interval:
   return t_interval([m.value for m in multipliers])
 
 
-# ------------------------------------------------------------ claims and verdicts
+# ------------------------------------------------------------ contrasts
 
-@dataclasses.dataclass(frozen=True)
-class Contrast:
-  """sum_r weight_r * final_loss_r over recipes, per seed; `claim` is "> 0" or "!= 0"."""
-  label: str
-  weights: dict
-  claim: str = "> 0"
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-  """A claim of the paper; it holds when every contrast holds."""
-  text: str
-  contrasts: tuple
-
-
-CLAIMS = (
-    Claim("Wgrad is the costly stage (its increment exceeds Fprop's and Dgrad's)", (
-        Contrast("(mxfp4 - fprop-dgrad) - (fprop-dgrad - fprop)",
-                 {"mxfp4": 1, "mxfp4-fprop-dgrad": -2, "mxfp4-fprop": 1}),
-        Contrast("(mxfp4 - fprop-dgrad) - (fprop - fp8)",
-                 {"mxfp4": 1, "mxfp4-fprop-dgrad": -1, "mxfp4-fprop": -1, "fp8": 1}))),
-    Claim("Stochastic rounding hurts once Wgrad is MXFP4", (
-        Contrast("mxfp4-sr - mxfp4", {"mxfp4-sr": 1, "mxfp4": -1}),)),
-    Claim("Random-sign Hadamard hurts (vs no rotation)", (
-        Contrast("mxfp4-rh16 - mxfp4", {"mxfp4-rh16": 1, "mxfp4": -1}),)),
-    Claim("Random signs are worse than the deterministic H16", (
-        Contrast("mxfp4-rh16 - mxfp4-dh16", {"mxfp4-rh16": 1, "mxfp4-dh16": -1}),)),
-    Claim("Deterministic H16 recovers most (> half) of the MXFP4 gap to fp8", (
-        Contrast("(mxfp4 - dh16) - 0.5 (mxfp4 - fp8)",
-                 {"mxfp4": 0.5, "mxfp4-dh16": -1, "fp8": 0.5}),)),
-    Claim("The scale rule matters without rotation (floor vs even)", (
-        Contrast("mxfp4-floor - mxfp4", {"mxfp4-floor": 1, "mxfp4": -1}, "!= 0"),)),
-    Claim("The scale rule matters with H16 (floor vs even)", (
-        Contrast("mxfp4-dh16-floor - mxfp4-dh16", {"mxfp4-dh16-floor": 1, "mxfp4-dh16": -1},
-                 "!= 0"),)),
-)
+def late_mean(tokens_T, loss_T, late_from=0.5) -> float:
+  """Mean loss over the evaluations at tokens >= late_from * the last (nan if one is non-finite)."""
+  tokens_T, loss_T = np.asarray(tokens_T, np.float64), np.asarray(loss_T, np.float64)
+  if not tokens_T.size:
+    return math.nan
+  return float(loss_T[tokens_T >= late_from * tokens_T[-1]].mean())
 
 
 def contrast_values(contrast, final_loss) -> list:
-  """Per-seed values of `contrast`; final_loss: {recipe: {seed: loss}}.
+  """Per-seed values of `contrast` (its .weights {recipe: w}); final_loss: {recipe: {seed: value}}.
 
   Only seeds where every recipe of the contrast ran; a missing recipe -> [].
   """
@@ -201,97 +222,3 @@ def contrast_values(contrast, final_loss) -> list:
     return []
   seeds = set.intersection(*(set(final_loss[r]) for r in contrast.weights))
   return [sum(w * final_loss[r][s] for r, w in contrast.weights.items()) for s in sorted(seeds)]
-
-
-def contrast_verdict(interval, claim="> 0", margin=0.01) -> str:
-  """supported / contradicted / inconclusive for one contrast's interval.
-
-  "> 0": supported when the interval lies above 0; contradicted when it lies
-  below `margin` (it rules out an effect of the claimed sign as large as the
-  margin). "!= 0": supported when it excludes 0; contradicted when it lies
-  inside (-margin, margin). Anything else, or fewer than 2 seeds: inconclusive.
-  """
-  if interval.n < 2:
-    return "inconclusive"
-  if claim == "> 0":
-    if interval.lo > 0:
-      return "supported"
-    return "contradicted" if interval.hi < margin else "inconclusive"
-  if claim == "!= 0":
-    if interval.lo > 0 or interval.hi < 0:
-      return "supported"
-    return "contradicted" if -margin < interval.lo and interval.hi < margin else "inconclusive"
-  raise ValueError(f"unknown claim {claim!r}; allowed: '> 0', '!= 0'")
-
-
-def claim_verdict(verdicts) -> str:
-  """A claim of several contrasts: supported if all are, contradicted if any is."""
-  if verdicts and all(v == "supported" for v in verdicts):
-    return "supported"
-  return "contradicted" if "contradicted" in verdicts else "inconclusive"
-
-
-def verdict_lines(final_loss, margin=0.01, claims=CLAIMS) -> list[str]:
-  """One markdown line per claim: verdict, then each contrast's interval (nats)."""
-  lines = []
-  for claim in claims:
-    parts, verdicts = [], []
-    for c in claim.contrasts:
-      values = contrast_values(c, final_loss)
-      if not values:
-        parts.append(f"{c.label}: not run")
-        verdicts.append("not run")
-        continue
-      interval = t_interval(values)
-      v = contrast_verdict(interval, c.claim, margin)
-      verdicts.append(v)
-      lost = sum(not math.isfinite(x) for x in values)
-      note = f", {lost} seed(s) with a non-finite loss left out" if lost else ""
-      parts.append(f"{c.label} = {interval} nats (n={interval.n}{note}; claim {c.claim}: {v})")
-    verdict = "not run" if "not run" in verdicts else claim_verdict(verdicts)
-    lines.append(f"- **{verdict}**: {claim.text}. " + "; ".join(parts) + ".")
-  return lines
-
-
-# ------------------------------------------------------------ gradient signal-to-noise
-
-@dataclasses.dataclass(frozen=True)
-class Crossing:
-  """Where a signal-to-noise series reaches the threshold.
-
-  step: the first step at or below it, interpolated in ln(snr) between the
-  two measurements around it (measured), or where the log-linear trend
-  ln snr = a + slope * step fitted to the later measurements reaches it
-  (extrapolated = True); None when neither (the trend does not fall).
-  """
-  step: float | None
-  extrapolated: bool
-  slope: float
-
-
-def threshold_crossing(steps, snr, threshold=diagnostics.SNR_THRESHOLD, fit_from=0.5) -> Crossing:
-  """The Crossing of the series (steps increasing, snr > 0) with `threshold`.
-
-  The trend is fitted to the measurements at steps >= fit_from * last step
-  (all of them when fewer than two steps are that late).
-  """
-  steps, snr = np.asarray(steps, np.float64), np.asarray(snr, np.float64)
-  keep = np.isfinite(snr) & (snr > 0)
-  steps, log_snr = steps[keep], np.log(snr[keep])
-  if steps.size < 2:
-    return Crossing(None, False, math.nan)
-  late = steps >= fit_from * steps[-1]
-  if np.unique(steps[late]).size < 2:
-    late = np.ones_like(late)
-  slope, intercept = np.polyfit(steps[late], log_snr[late], 1)
-  log_thr = math.log(threshold)
-  below = np.nonzero(log_snr <= log_thr)[0]
-  if below.size:
-    i = int(below[0])
-    if i == 0:
-      return Crossing(float(steps[0]), False, float(slope))
-    s0, s1, l0, l1 = steps[i - 1], steps[i], log_snr[i - 1], log_snr[i]
-    return Crossing(float(s0 + (l0 - log_thr) / (l0 - l1) * (s1 - s0)), False, float(slope))
-  if slope >= 0:
-    return Crossing(None, True, float(slope))
-  return Crossing(float((log_thr - intercept) / slope), True, float(slope))

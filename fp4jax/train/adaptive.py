@@ -6,12 +6,19 @@ norm of its quantization noise, and propose moving to higher precision then.
 This module does that per transformer block, during the run:
 
   every `every` steps the trainer measures, on the training batch just used
-  and the parameters after the step, each block's Wgrad signal-to-noise
-  ratio: ||exact dW|| / ||quantized dW - exact dW|| over the block's seven
-  linears together (q, k, v, o, gate, up, down: their weight gradients as
-  one vector), with the recipe's own Wgrad (fp4jax.diagnostics.gemm_stats;
-  attention products and the head are not weights of a block and are not
-  measured or switched). A block whose SNR is below `threshold` on `window`
+  and the parameters after the step, each block's true-gradient Wgrad
+  signal-to-noise ratio over its seven linears together (q, k, v, o, gate,
+  up, down: their weight gradients as one vector):
+    snr_true = sqrt(max(sum <dW_a, dW_b>, 0)) / ||quantized dW - exact dW||,
+  dW_a, dW_b the exact weight gradients of the two halves of the batch
+  (fp4jax.diagnostics.true_snr: the numerator estimates the expected
+  gradient's norm) and the error that of the recipe's own Wgrad on the whole
+  batch (fp4jax.diagnostics.gemm_stats; attention products and the head are
+  not weights of a block and are not measured or switched). The batch SNR
+  ||exact dW|| / ||error|| is not offered: once per-token terms are
+  incoherent it is a constant of the format (fp4jax.diagnostics), so a
+  switch on it reacts to the format, not to training. A block whose
+  snr_true is below `threshold` on `window`
   measurements in a row (a NaN or a value >= threshold starts the count
   again) computes its Wgrad with `to` from the next step on, for the rest of
   the run.
@@ -25,7 +32,7 @@ with one lax.cond (fp4jax.dot; both GEMMs are compiled, one runs). A run
 with the switch disabled takes exactly the code of a run without it.
 
 Logged: one line per switch, a metrics.jsonl row at every measurement with
-`adaptive_wgrad/block_<i>/snr` and, when blocks switch, `wgrad_switch`
+`adaptive_wgrad/block_<i>/snr_true` and, when blocks switch, `wgrad_switch`
 ({"block_<i>": to}); summary.json lists `wgrad_switches` ({"block_<i>":
 step}). The decision state (which blocks switched at which step, the current
 runs of low measurements) is saved in every checkpoint, so a resumed run
@@ -33,8 +40,9 @@ decides exactly as an uninterrupted one (the measurements themselves are
 deterministic: fixed keys per step).
 
 Config keys (config.adaptive_wgrad): enabled (False), threshold (sqrt(3)),
-window (3), every (50), to ("fp8"). Needs model.scan_layers=False and a
-recipe whose Wgrad is quantized, with residuals="original".
+window (3), every (50), to ("fp8"). Needs model.scan_layers=False, an even
+batch_size (two halves of whole sequences) and a recipe whose Wgrad is
+quantized, with residuals="original".
 """
 
 import dataclasses
@@ -61,16 +69,17 @@ def adaptive_config() -> ml_collections.ConfigDict:
       enabled=False, threshold=diagnostics.SNR_THRESHOLD, window=3, every=50, to="fp8"))
 
 
-def check(cfg, model_cfg, segment_recipes):
+def check(cfg, model_cfg, segment_recipes, batch_size):
   """ValueError (one line, naming the key) on a bad config.adaptive_wgrad value.
 
-  segment_recipes: the recipe from step 0, then those of config.quant_schedule.
+  segment_recipes: the recipe from step 0, then those of config.quant_schedule;
+  batch_size: config.batch_size.
   The values are checked even when disabled; the model and recipes only when
   enabled.
   """
   where = "config.adaptive_wgrad"  # (the ConfigDict enforces each key's type)
   if not cfg.threshold > 0:
-    raise ValueError(f"{where}.threshold must be > 0 (a Wgrad SNR, default sqrt(3)), "
+    raise ValueError(f"{where}.threshold must be > 0 (a Wgrad snr_true, default sqrt(3)), "
                      f"got {cfg.threshold!r}")
   for key in ("window", "every"):
     if cfg[key] < 1:
@@ -79,6 +88,9 @@ def check(cfg, model_cfg, segment_recipes):
     raise ValueError(f"{where}.to must be one of {', '.join(TARGETS)}, got {cfg.to!r}")
   if not cfg.enabled:
     return
+  if batch_size % 2:
+    raise ValueError(f"{where} needs an even batch_size (snr_true compares the gradients of "
+                     f"its two halves), got {batch_size}")
   if model_cfg.scan_layers:
     raise ValueError(f"{where} needs model.scan_layers=False (the switch and its monitor "
                      "address each block by its module path)")
@@ -160,13 +172,14 @@ class WgradSwitch:
 
 @functools.lru_cache(maxsize=8)
 def make_monitor(model_cfg, recipe, blocks: tuple, seed: int):
-  """measure(params, tokens_BxL1, key) -> float32 [len(blocks)]: each block's Wgrad SNR.
+  """measure(params, tokens_BxL1, key) -> float32 [len(blocks)]: each block's Wgrad snr_true.
 
   model_cfg, recipe: the model being trained (the recipe is measured);
   seed: the run's seed (its layer key gives per-layer Hadamard signs). Jitted
   (and cached, so runs of one process share it): one capture of every
   linear's operands and output gradient (fp4jax.diagnostics.capture), then
-  the recipe's Wgrad against the exact one.
+  the recipe's Wgrad against the exact one, and the exact Wgrads of the two
+  halves of the batch (B even).
   """
   cap_model = model_lib.Llama(dataclasses.replace(model_cfg, capture_dots=True), recipe)
   layer_key = train_step.layer_key(jax.random.key(seed))
@@ -181,12 +194,11 @@ def make_monitor(model_cfg, recipe, blocks: tuple, seed: int):
       x_MxK, w_KxN, dy_MxN = diagnostics.as_matrices(lhs, rhs, dy)
       _, errors = diagnostics.gemm_stats(recipe, x_MxK, w_KxN, dy_MxN,
                                          jax.random.fold_in(key, i + 1), own_key)
-      exact_KxN = jnp.dot(x_MxK.astype(jnp.float32).T, dy_MxN.astype(jnp.float32),
-                          precision=jax.lax.Precision.HIGHEST)
-      signal2.append(jnp.sum(exact_KxN ** 2))
+      g_a, g_b = diagnostics.half_gradients(x_MxK, dy_MxN)
+      signal2.append(jnp.vdot(g_a.ravel(), g_b.ravel()))
       noise2.append(jnp.sum(errors["wgrad"] ** 2))
     per_block = lambda v: jnp.stack(v).reshape(len(blocks), len(linears.BLOCK)).sum(axis=1)
-    return diagnostics.signal_to_noise_from_norms(jnp.sqrt(per_block(signal2)),
+    return diagnostics.signal_to_noise_from_norms(jnp.sqrt(jnp.maximum(per_block(signal2), 0.0)),
                                                   jnp.sqrt(per_block(noise2)))
 
   return jax.jit(measure)
@@ -214,12 +226,12 @@ class Controller:
     measure = make_monitor(self.model_cfg, recipe, tuple(self.decisions.blocks), self.seed)
     snr = np.asarray(jax.device_get(measure(params, tokens_BxL1, key)))
     by_block = dict(zip(self.decisions.blocks, snr.tolist()))
-    row = {f"adaptive_wgrad/block_{b}/snr": v for b, v in by_block.items()}
+    row = {f"adaptive_wgrad/block_{b}/snr_true": v for b, v in by_block.items()}
     switched = self.decisions.update(step, by_block)
     for b in switched:
       run = self.decisions.low[b]
       log(f"fp4jax: adaptive_wgrad: block_{b} Wgrad -> {self.cfg.to} from step {step + 1}: "
-          f"its Wgrad SNR was below {self.cfg.threshold:.4g} on {self.cfg.window} measurements "
+          f"its Wgrad snr_true was below {self.cfg.threshold:.4g} on {self.cfg.window} measurements "
           "in a row (" + ", ".join(f"step {s}: {v:.3f}" for s, v in run) + ")")
     if switched:
       row["wgrad_switch"] = {f"block_{b}": self.cfg.to for b in switched}

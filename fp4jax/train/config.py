@@ -25,6 +25,7 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
                               bfloat16; parameters are float32)
   lr, warmup_steps, min_lr_ratio
                               linear warm-up to lr, cosine to lr * min_lr_ratio
+                              (1.0: constant lr after warm-up, whatever steps is)
   weight_decay, b1, b2, eps, clip
                               AdamW and global-norm clipping
   eval_every, eval_batches, eval_batch_size

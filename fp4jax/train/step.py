@@ -37,7 +37,12 @@ class TrainState:
 
 
 def lr_schedule(config):
-  """Linear warm-up from 0 to config.lr, cosine to lr * min_lr_ratio at `steps`."""
+  """Linear warm-up from 0 to config.lr, cosine to lr * min_lr_ratio at `steps`.
+
+  min_lr_ratio=1.0 is a constant lr after warm-up whose values do not depend
+  on `steps` (bitwise: the cosine term is multiplied by 1 - 1.0 = 0), so a run
+  resumed with more steps takes the steps already run exactly as before.
+  """
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.lr,
       warmup_steps=config.warmup_steps,

@@ -72,7 +72,8 @@ def _start(config):
     model_cfg, recipe = resolve(config, tokenizer)
     segs = schedule.segments(recipe, config.get("quant_schedule"), config.steps,
                              lambda quant: resolve_recipe(quant, config.dtype))
-    adaptive.check(config.adaptive_wgrad, model_cfg, [seg.recipe for seg in segs])
+    adaptive.check(config.adaptive_wgrad, model_cfg, [seg.recipe for seg in segs],
+                   config.batch_size)
     mesh = sharding.make_mesh(config.mesh)
     micro_batch = _micro_batch(config)
     for seg in segs:

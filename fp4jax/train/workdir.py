@@ -42,7 +42,8 @@ from fp4jax.train import metrics_log
 # config it is resumed with (a key also covers everything below it). Every
 # other key (model, quant, data, batch_size, micro_batch, seq_len, dtype,
 # seed, lr and its schedule, optimizer, eval set) is fixed by the workdir.
-# `steps` may grow or shrink: the cosine schedule follows the new value.
+# `steps` may grow or shrink: the cosine schedule follows the new value (with
+# min_lr_ratio=1.0 the rate is constant after warm-up, so nothing already run changes).
 RESUMABLE_KEYS = ("steps", "eval_every", "log_every", "checkpoint_every",
                   "keep_checkpoints", "async_checkpointing", "target_eval_loss",
                   "max_bad_steps", "mesh", "distributed", "quant.residuals",

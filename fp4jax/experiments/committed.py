@@ -1,0 +1,101 @@
+"""A study's results folder, kept in git, from which an interrupted study resumes.
+
+The runs train in a scratch workdir (checkpoints, locks); each finished run's
+records (RUN_FILES) are copied into RESULTS/<run>/ as it completes, with a
+MANIFEST.json (sha256 of each file) written last, and the folder moved into
+place in one rename, so a RESULTS/<run>/ either is complete or is not there.
+`is_complete` checks the manifest against the files: a study run again (on
+another machine, from a fresh clone) skips those runs and trains only the rest.
+
+`git_commit(paths, message)` commits exactly `paths` (git commit --only):
+changes staged for other paths stay staged and out of the commit.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+
+from fp4jax import errors
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "wall.json")
+MANIFEST = "MANIFEST.json"
+FINISHED = ("completed", "target_reached", "diverged")
+
+
+def _sha256(path):
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def is_complete(run_dir) -> bool:
+  """True when run_dir holds a manifest whose files exist with their hashes
+  and whose summary says the run finished."""
+  try:
+    with open(os.path.join(run_dir, MANIFEST)) as f:
+      files = json.load(f)["files"]
+    if any(_sha256(os.path.join(run_dir, name)) != digest for name, digest in files.items()):
+      return False
+    with open(os.path.join(run_dir, "summary.json")) as f:
+      return json.load(f)["status"] in FINISHED
+  except (OSError, ValueError, KeyError, TypeError):
+    return False
+
+
+def publish(src, dst, extra=()):
+  """Copies src's RUN_FILES (and the names in `extra`, when present) to dst
+  atomically: a sibling temporary folder, its manifest last, then a rename.
+  An existing dst is replaced. Returns dst."""
+  parent = os.path.dirname(os.path.abspath(dst))
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{os.path.basename(dst)}.tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  files = {}
+  for name in RUN_FILES + tuple(extra):
+    if os.path.exists(os.path.join(src, name)):
+      shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+      files[name] = _sha256(os.path.join(tmp, name))
+  with open(os.path.join(tmp, MANIFEST), "w") as f:
+    json.dump({"files": files}, f, indent=2, sort_keys=True)
+  old = os.path.join(parent, f".{os.path.basename(dst)}.old")
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(dst):
+    os.replace(dst, old)
+  os.replace(tmp, dst)
+  shutil.rmtree(old, ignore_errors=True)
+  return dst
+
+
+def _git(args, cwd):
+  return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def git_commit(paths, message) -> str | None:
+  """Commits exactly `paths` (files or folders of one repository) with `message`;
+  returns the new commit's hash, or None when nothing in them changed.
+
+  Other staged or unstaged changes are left as they were. errors.UserError
+  when the paths are not in a git work tree or git refuses.
+  """
+  paths = [os.path.abspath(p) for p in paths]
+  cwd = os.path.dirname(paths[0]) if not os.path.isdir(paths[0]) else paths[0]
+  top = _git(["rev-parse", "--show-toplevel"], cwd)
+  if top.returncode:
+    raise errors.UserError(f"--git_commit: {paths[0]!r} is not in a git work tree "
+                           f"({top.stderr.strip()})")
+  root = top.stdout.strip()
+  rel = [os.path.relpath(p, root) for p in paths]
+  if any(r.startswith("..") for r in rel):
+    raise errors.UserError(f"--git_commit: {rel} are not all inside the repository {root!r}")
+  steps = (["add", "--", *rel],
+           ["commit", "--quiet", "--only", "-m", message, "--", *rel])
+  if not _git(["status", "--porcelain", "--", *rel], root).stdout.strip():
+    return None
+  for args in steps:
+    out = _git(args, root)
+    if out.returncode:
+      raise errors.UserError(f"--git_commit: git {args[0]} failed: "
+                             f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+  return _git(["rev-parse", "HEAD"], root).stdout.strip()

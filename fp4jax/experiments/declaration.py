@@ -1,0 +1,144 @@
+"""A study's rules, declared in a file before its first run, and proof of when.
+
+The file (JSON, committed with the study, e.g. results/<study>/DECLARATION.json):
+
+  {"study": "ablation_tiny",
+   "baseline": "fp8",                 the recipe every claim is paired against
+   "primary": "late_mean",            per seed and recipe: "late_mean", the mean
+                                      validation loss over the evaluations at
+                                      tokens >= late_from x the last, or "final"
+   "late_from": 0.5,
+   "smallest_effect_tokens": 0.05,    the smallest effect of interest, as extra
+                                      tokens; in nats through the baseline's
+                                      own late slope dL/d ln(tokens)
+   "alpha": 0.05, "correction": "holm", "power": 0.8,
+   "claims": [{"text": "...", "contrasts": [
+       {"label": "mxfp4-sr - mxfp4", "weights": {"mxfp4-sr": 1, "mxfp4": -1},
+        "direction": ">"}]}]}       ">", "<" or "!=" (fp4jax.experiments.inference)
+
+A claim holds when all its contrasts do; its p-value is the largest of its
+contrasts' (intersection-union), and Holm runs over the claims.
+
+The ablation runner calls `record(workdir, path)` before its first run: it
+writes WORKDIR/declaration_record.json (the file's SHA-256 and the time) once
+and never overwrites it. `status(workdir, path)` compares: "declared" (same
+hash), "changed" (the file differs from the one recorded at the start) or
+"undeclared" (nothing was recorded: the rules came after the runs, so any
+verdict is exploratory).
+"""
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+
+from fp4jax import errors
+from fp4jax.experiments import inference
+
+RECORD = "declaration_record.json"
+PRIMARY = ("late_mean", "final")
+CORRECTIONS = ("holm",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+  """sum_r weights[r] * primary[r] per seed; `direction` of the claimed effect."""
+  label: str
+  weights: dict
+  direction: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  text: str
+  contrasts: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Declaration:
+  study: str
+  baseline: str
+  primary: str
+  late_from: float
+  smallest_effect_tokens: float
+  alpha: float
+  correction: str
+  power: float
+  claims: tuple
+  path: str = ""
+
+
+def _need(cond, path, message):
+  if not cond:
+    raise errors.UserError(f"declaration {path!r}: {message}")
+
+
+def load(path) -> Declaration:
+  """The Declaration in `path`; UserError naming the bad entry."""
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise errors.UserError(f"cannot read the declaration {path!r}: {e}") from None
+  keys = ("study", "baseline", "primary", "late_from", "smallest_effect_tokens", "alpha",
+          "correction", "power", "claims")
+  missing = [k for k in keys if k not in raw]
+  _need(not missing, path, f"missing {', '.join(missing)}")
+  _need(raw["primary"] in PRIMARY, path,
+        f"primary {raw['primary']!r} is not one of {', '.join(PRIMARY)}")
+  _need(raw["correction"] in CORRECTIONS, path,
+        f"correction {raw['correction']!r} is not one of {', '.join(CORRECTIONS)}")
+  for key in ("late_from", "alpha", "power"):
+    _need(0 < raw[key] < 1, path, f"{key} must lie in (0, 1), got {raw[key]!r}")
+  _need(raw["smallest_effect_tokens"] > 0, path, "smallest_effect_tokens must be > 0")
+  _need(raw["claims"], path, "no claims")
+  claims = []
+  for c in raw["claims"]:
+    _need(c.get("contrasts"), path, f"claim {c.get('text')!r} has no contrasts")
+    contrasts = []
+    for k in c["contrasts"]:
+      _need(k.get("direction") in inference.DIRECTIONS, path,
+            f"contrast {k.get('label')!r}: direction {k.get('direction')!r} is not one of "
+            f"{', '.join(inference.DIRECTIONS)}")
+      contrasts.append(Contrast(k["label"], dict(k["weights"]), k["direction"]))
+    claims.append(Claim(c["text"], tuple(contrasts)))
+  return Declaration(raw["study"], raw["baseline"], raw["primary"], float(raw["late_from"]),
+                     float(raw["smallest_effect_tokens"]), float(raw["alpha"]),
+                     raw["correction"], float(raw["power"]), tuple(claims), str(path))
+
+
+def file_hash(path) -> str:
+  """SHA-256 (hex) of the file's bytes."""
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_record(workdir) -> dict | None:
+  file = os.path.join(workdir, RECORD)
+  if not os.path.exists(file):
+    return None
+  with open(file) as f:
+    return json.load(f)
+
+
+def record(workdir, path) -> dict:
+  """Writes WORKDIR/declaration_record.json for `path` unless one exists; returns the record."""
+  load(path)
+  existing = read_record(workdir)
+  if existing is not None:
+    return existing
+  rec = {"path": str(path), "sha256": file_hash(path),
+         "recorded_utc": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, RECORD), "w") as f:
+    json.dump(rec, f, indent=1)
+  return rec
+
+
+def status(workdir, path) -> str:
+  """"declared", "changed" or "undeclared" (see the module docstring)."""
+  rec = read_record(workdir)
+  if rec is None:
+    return "undeclared"
+  return "declared" if rec["sha256"] == file_hash(path) else "changed"
