@@ -26,7 +26,7 @@ from fp4jax.experiments import report
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train.metrics_log import read_metrics
-from tests.test_trainer import _final_state, tiny_config
+from tests.helpers import final_state, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +87,7 @@ def test_bad_arms_are_refused_naming_what_was_given(text, match):
     arms.parse_arms(text)
 
 
+@pytest.mark.slow
 def test_a_bad_arm_on_the_command_line_is_one_line_and_exit_2(tmp_path):
   bad = "A1=mxfp4-dh16:wgrad.hadamard.sign=per-step"
   out = subprocess.run(
@@ -109,6 +110,7 @@ def test_a_constant_schedule_does_not_depend_on_steps_bitwise():
   assert np.all(rates(300, 1.0)[30:] == np.float32(3e-3))
 
 
+@pytest.mark.slow
 def test_steps_raised_on_resume_take_the_same_first_steps_bitwise(tmp_path):
   config = lambda steps: tiny_config(steps=steps, min_lr_ratio=1.0, async_checkpointing=False)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -117,7 +119,7 @@ def test_steps_raised_on_resume_take_the_same_first_steps_bitwise(tmp_path):
   assert trainer.train(config(8), resumed)["resumed_from_step"] == 5
   loss = lambda workdir: [(r["step"], r["loss"], r["lr"]) for r in read_metrics(workdir) if "loss" in r]
   assert loss(resumed) == loss(straight) and len(loss(straight)) == 8
-  (_, a), (_, b) = _final_state(straight), _final_state(resumed)
+  (_, a), (_, b) = final_state(straight), final_state(resumed)
   jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
@@ -273,6 +275,7 @@ def _study(tmp_path):
   return config
 
 
+@pytest.mark.slow
 def test_the_study_resumes_from_the_results_folder(tmp_path, monkeypatch, capsys):
   config = _study(tmp_path)
   work, results = str(tmp_path / "work"), str(tmp_path / "results")
