@@ -116,7 +116,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
   config = tiny_config(async_checkpointing=False)
   child = subprocess.run(
       [sys.executable, "-c", _KILLED_CHILD, config.to_json(), workdir, "6"],
-      cwd=ROOT, capture_output=True, text=True, timeout=120)
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
   assert [r["step"] for r in read_metrics(workdir)][-1] == 5
