@@ -410,7 +410,7 @@ def fake_quantize(x, spec: QuantSpec, axis: int = -1, key=None):
   axis = _check_input(x, spec, axis, key)
   if spec.block_2d:
     return tiles.tiled(x, spec, axis,
-                       lambda t, s: (_fake_quantize_ste(t, s, -1, key), None))[0]
+                       lambda t, s: (_fake_quantize_ste(t, s, t.ndim - 1, key), None))[0]
   return _fake_quantize_ste(x, spec, axis, key)
 
 
@@ -444,7 +444,7 @@ def fake_quantize_unscaled(x, spec: QuantSpec, axis: int = -1, key=None):
   axis = _check_input(x, spec, axis, key)
   if spec.block_2d:
     return tiles.tiled(x, spec, axis,
-                       lambda t, s: _block_dequantize(t, s, -1, key))
+                       lambda t, s: _block_dequantize(t, s, t.ndim - 1, key))
   return _block_dequantize(x, spec, axis, key)
 
 
