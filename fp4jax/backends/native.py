@@ -37,8 +37,10 @@ composite, and on the CPU both decompose into convert, multiply and a dot.
 What is checked, and how:
 - by tests on the CPU (tests/test_backends.py): the route per format and the
   forced routes, the barrier in the jaxpr, and `native` == `xla` bit for bit
-  for every FP4 preset on either route (every E2M1 x E2M1 product times two
-  block scales, and every partial sum there, is exact in float32);
+  for every FP4 preset on its route, and for mxfp4-dh16 and nvfp4 on the other
+  (every E2M1 x E2M1 product times two block scales, and every partial sum
+  there, is exact in float32); tests/test_scaled_matmul.py checks the MXFP4
+  fprop against jax.nn.scaled_dot_general's;
 - by tests that lower for CUDA and ROCm without a device
   (tests/test_native_lowering.py): each preset's three GEMMs reach the
   block-scaled custom call (MXFP8, NVFP4) or the `xla.scaled_dot` composite
