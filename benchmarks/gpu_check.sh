@@ -6,7 +6,14 @@
 # time does not stop the others:
 #   env         nvidia-smi, python, jax/jaxlib, devices, compute capability,
 #               which of pyproject.toml's dependencies are missing
-#   tests       tests/test_kernels.py, test_native.py (or test_backends.py),
+#   native      backend=native, (16384,4096,14336): mxfp8 / mxfp4 / nvfp4, each on
+#               its own route and forced through scaled_matmul and scaled_dot;
+#               per variant the GEMM kinds of its optimized HLO (cuDNN
+#               block-scaled custom call, scaled-dot for Triton, or plain dot)
+#               and TFLOP/s. Runs second, so a short call still shows it. On an
+#               H200 (compute capability 9.0: no FP4 units) it says so and
+#               measures the emulation
+#   tests       tests/test_kernels.py, test_backends.py,
 #               test_dot.py with the kernels compiled by Triton (Pallas
 #               interprets only off GPUs: kernels.quantize.interpret_mode),
 #               each against the `xla` path on the same GPU bit for bit
@@ -20,8 +27,6 @@
 #   train_*     configs/ablation_gpu.py (125M shape), TRAIN_STEPS steps each:
 #               bf16, mxfp4-dh16 on xla, mxfp4-dh16 on pallas; one process
 #               each (peak memory is per process): tokens/s, MFU, peak GiB
-#   native      backend=native (compute capability >= 10 only; skipped here
-#               on an H200 with the reason written down)
 #   ablation_short  optional, not in the default stages (it needs the whole
 #               call): configs/ablation_gpu_short.py, fp8 / mxfp4 / mxfp4-dh16
 #               at the 125M shape for 300 steps; checkpoints in /tmp, each
@@ -52,7 +57,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/fp4jax_gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/fp4jax_gpu_check_work}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-500}
-STAGES=${GPU_CHECK_STAGES:-"env tests crosscheck quantize linear train native"}
+STAGES=${GPU_CHECK_STAGES:-"env native tests crosscheck quantize linear train"}
 TRAIN_STEPS=${TRAIN_STEPS:-20}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}  # e.g. --scan_layers, should compiling 12 blocks not fit its box
 REPO=$(pwd)
@@ -64,14 +69,14 @@ T0=$SECONDS
 if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu
   TINY=--tiny
-  TESTS=(tests/test_native.py "tests/test_kernels.py::test_e2m1_codes_and_values_match_the_casts"
+  TESTS=("tests/test_kernels.py::test_e2m1_codes_and_values_match_the_casts"
          "tests/test_kernels.py::test_interpret_defaults_to_the_backend"
          "tests/test_dot.py::test_backend_names")
 else
   export JAX_PLATFORMS=cuda
   TINY=
   TESTS=()
-  for t in tests/test_kernels.py tests/test_native.py tests/test_backends.py tests/test_dot.py; do
+  for t in tests/test_kernels.py tests/test_backends.py tests/test_dot.py; do
     [[ -e $t ]] && TESTS+=("$t")
   done
   # test_out_sharding_is_honoured builds an 8-device mesh; the H200 machine has one GPU.
@@ -150,7 +155,7 @@ for s in $STAGES; do
       stage tests 150 $PY -m pytest -q -p no:cacheprovider --durations=15 \
         --junitxml="$WORK/pytest.xml" "${TESTS[@]}" ;;
     quantize|linear|native)
-      stage "$s" $([[ $s == linear ]] && echo 150 || echo 75) \
+      stage "$s" $([[ $s == quantize ]] && echo 75 || echo 150) \
         $PY -m fp4jax.bench gpu_check "$s" --work "$WORK" $TINY ;;
     train)
       for run in bf16:xla mxfp4-dh16:xla mxfp4-dh16:pallas; do
@@ -171,7 +176,7 @@ for s in $STAGES; do
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
       stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
-    *) echo "unknown stage $s (allowed: env tests crosscheck quantize linear train native ablation_short)" ;;
+    *) echo "unknown stage $s (allowed: env native tests crosscheck quantize linear train ablation_short)" ;;
   esac
 done
 

@@ -129,7 +129,8 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   b, ib, wb = _flatten(b, cb)
   b = backend.quantize(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], cdt)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
-  return backend.matmul(a, b, dims, precision, out_sharding).astype(out_dtype)
+  return backend.matmul(a, b, dims, precision, out_sharding,
+                        recipe.native_route).astype(out_dtype)
 
 
 def _to_layout(y, owner):

@@ -117,6 +117,8 @@ class Recipe:
   GEMM of a role that quantizes or rotates; plain roles run lax.dot_general
   unchanged. backend: "xla" (jnp path), "pallas" (fp4jax.kernels), "native"
   (block-scaled GEMMs, jax >= 0.11) or "auto" (fp4jax.backends.resolve).
+  native_route: the native backend's op, "auto" (by format),
+  "scaled_matmul" or "scaled_dot" (fp4jax.backends.native).
   residuals: "original" or "quantized" (module docstring).
   """
 
@@ -126,6 +128,7 @@ class Recipe:
   wgrad: Gemm = Gemm()
   compute_dtype: str = "bfloat16"
   backend: str = "xla"
+  native_route: str = "auto"
   residuals: str = "original"
 
   def __post_init__(self):
@@ -138,6 +141,7 @@ class Recipe:
     if self.residuals == "quantized":
       self._check_quantized_residuals()
     backends.check_jax(self.backend)
+    backends.check_native_route(self.native_route)
 
   def _check_quantized_residuals(self):
     """ValueError when residuals="quantized" cannot give the default's gradients."""
@@ -175,6 +179,7 @@ class Recipe:
     cfg.name = self.name
     cfg.compute_dtype = self.compute_dtype
     cfg.backend = self.backend
+    cfg.native_route = self.native_route
     cfg.residuals = self.residuals
     for role in ROLES:
       gemm = getattr(self, role)
@@ -288,7 +293,7 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
   rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
-  backend, residuals and scale_mode (the rule of every MX operand without its
+  backend, native_route, residuals and scale_mode (the rule of every MX operand without its
   own scale_mode).
   """
   def operand():
@@ -306,7 +311,8 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   return ml_collections.ConfigDict(dict(
       name=name, compute_dtype=config_dict.placeholder(str),
-      backend=config_dict.placeholder(str), residuals=config_dict.placeholder(str),
+      backend=config_dict.placeholder(str), native_route=config_dict.placeholder(str),
+      residuals=config_dict.placeholder(str),
       scale_mode=config_dict.placeholder(str),
       fprop=gemm(), dgrad=gemm(), wgrad=gemm()))
 
@@ -366,7 +372,7 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
         _override_hadamard(gemm.hadamard, cfg[role].hadamard))
   out = Recipe(base.name, **roles, **_given(
       dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend,
-           residuals=cfg.get("residuals"))))
+           native_route=cfg.get("native_route"), residuals=cfg.get("residuals"))))
   if scale_mode is not None and not _mx_specs(out):
     raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
                      f"recipe {cfg.name!r} has none")

@@ -1,4 +1,5 @@
-"""fp4jax.backends: how auto picks, the fallback to xla, and native == xla bit for bit.
+"""fp4jax.backends: how auto picks, the fallback to xla, native's routes, and
+native == xla bit for bit.
 
 The bitwise tests need jax >= 0.11 (jax.nn.scaled_matmul's CPU lowering) and
 skip, naming the installed jax, before that; CI runs them on Python 3.12.
@@ -9,6 +10,7 @@ import logging
 import types
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,12 +25,11 @@ needs_new_jax = pytest.mark.skipif(
     not NEW_JAX, reason=f"backend native needs jax >= 0.11 (jax.nn.scaled_matmul's CPU "
     f"lowering); installed jax {jax.__version__}")
 MXFP4 = formats.QuantSpec("mxfp4")
+DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
 
 
-def lower_for_cuda(fn, *args):
-  """StableHLO text of jit(fn) lowered for CUDA (no Pallas inside, so no abstract
-  GPU device is needed; scaled_matmul's partitioning rule wants real devices)."""
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def _native(name, route="auto"):
+  return dataclasses.replace(recipes.recipe(name), backend="native", native_route=route)
 
 
 def _device(platform, kind, capability=None):
@@ -103,34 +104,85 @@ def test_what_native_takes_and_the_logged_fallback(caplog):
     backends.module("cuda")
 
 
-def test_native_gemm_lowers_to_one_block_scaled_dot_for_cuda():
-  """Real E2M1 values and E8M0 scales reach XLA's block-scaled dot (cuDNN on CUDA)."""
-  def fprop(x_MxK, w_KxN):
-    a = native.quantize(x_MxK, MXFP4, None, None, 1, None, jnp.bfloat16)
-    b = native.quantize(w_KxN, MXFP4, None, None, 0, None, jnp.bfloat16)
-    return native.matmul(a, b, (((1,), (0,)), ((), ())), None, None)
-  text = lower_for_cuda(fprop, jax.ShapeDtypeStruct((128, 64), jnp.bfloat16),
-                        jax.ShapeDtypeStruct((64, 256), jnp.bfloat16))
-  call = [line for line in text.splitlines() if "block_scaled_dot" in line]
-  assert len(call) == 1
-  assert "tensor<1x128x64xf4E2M1FN>" in call[0] and "tensor<1x256x2xf8E8M0FNU>" in call[0]
+# ------------------------------------------------ native's routes
+
+def _spec(fmt, **kw):
+  return formats.QuantSpec(fmt, **kw)
+
+
+@pytest.mark.parametrize("lhs,rhs,want", [
+    (_spec("mxfp4"), _spec("mxfp4"), "scaled_dot"),           # E2M1 + E8M0: not cuDNN's
+    (_spec("mxfp8_e4m3"), _spec("mxfp8_e5m2"), "scaled_matmul"),  # MXFP8: cuDNN
+    (_spec("mxfp6_e2m3"), _spec("mxfp8_e4m3"), "scaled_matmul"),  # E2M3 travels as E4M3
+    (_spec("mxfp8_e4m3", block_size=16), _spec("mxfp8_e4m3", block_size=16), "scaled_dot"),
+    (_spec("mxfp4"), _spec("mxfp8_e4m3"), "scaled_dot"),      # FP4 x FP8 mix
+    (_spec("nvfp4"), _spec("nvfp4"), "scaled_matmul"),        # E4M3 scales: cuDNN
+])
+def test_auto_route_by_format(lhs, rhs, want):
+  assert native.route_for(lhs, rhs) == want
+  for forced in ("scaled_matmul", "scaled_dot"):
+    assert native.route_for(lhs, rhs, forced) == forced
+
+
+def test_native_route_is_a_recipe_and_config_key(monkeypatch):
+  cfg = recipes.config_template("mxfp4")
+  cfg.native_route = "scaled_matmul"
+  r = recipes.from_config(cfg)
+  assert r.native_route == "scaled_matmul" and "native_route=scaled_matmul" in r.name
+  assert recipes.from_config(r.to_config()) == r
+  with pytest.raises(ValueError, match=r"native_route 'cudnn' not in \('auto', "):
+    Recipe("x", native_route="cudnn")
+  monkeypatch.delattr(jax.lax, "scaled_dot")
+  with pytest.raises(ValueError, match=r"'scaled_dot' needs jax.lax.scaled_dot, which the "
+                     r"installed jax \S+ lacks"):
+    Recipe("x", native_route="scaled_dot")
+  assert Recipe("x", native_route="auto").native_route == "auto"
+
+
+def _eqns(jaxpr, made_by=None):
+  """(eqn, the primitive that made each of its inputs) for every equation of jaxpr and
+  of the jaxprs nested in its params; a nested jaxpr that takes its caller's inputs
+  one for one (a jit) sees the caller's producers."""
+  made_by = {**(made_by or {}), **{v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}}
+  for eqn in jaxpr.eqns:
+    inputs = [None if isinstance(v, jax.extend.core.Literal) else made_by.get(v)
+              for v in eqn.invars]
+    yield eqn, inputs
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          same = len(sub.invars) == len(eqn.invars)
+          yield from _eqns(sub, dict(zip(sub.invars, inputs)) if same else None)
 
 
 @needs_new_jax
-def test_native_dot_general_lowers_every_gemm_to_a_block_scaled_dot():
-  dg = dot.dot_general(dataclasses.replace(recipes.recipe("mxfp4-dh16"), backend="native"))
-  def step(x, w):
-    y, vjp = jax.vjp(lambda a, b: dg(a, b, (((1,), (0,)), ((), ()))), x, w)
+@pytest.mark.parametrize("name,route,op", [("mxfp4", "auto", "scaled_dot"),
+                                           ("mxfp4", "scaled_matmul", "scaled_matmul_wrapper"),
+                                           ("mxfp8", "auto", "scaled_matmul_wrapper"),
+                                           ("mxfp8", "scaled_dot", "scaled_dot")])
+def test_each_gemm_is_one_op_behind_a_barrier(name, route, op):
+  """y, dX, dW: per GEMM one block-scaled op (and none of the other route) whose four
+  inputs, elements and scales in their own dtypes, come out of an optimization_barrier."""
+  dg = dot.dot_general(_native(name, route))
+  def f(x, w):
+    y, vjp = jax.vjp(lambda a, b: dg(a, b, DENSE), x, w)
     return vjp(y)
-  text = lower_for_cuda(step, jax.ShapeDtypeStruct((64, 128), jnp.float32),
-                        jax.ShapeDtypeStruct((128, 96), jnp.float32))
-  assert text.count("__op$block_scaled_dot") == 3
+  closed = jax.make_jaxpr(f)(jnp.ones((2, 8, 64)), jnp.ones((64, 32)))
+  element = jnp.float4_e2m1fn if name == "mxfp4" else jnp.float8_e4m3fn
+  other = ({"scaled_dot", "scaled_matmul_wrapper"} - {op}).pop()
+  calls = 0
+  for eqn, made_by in _eqns(closed.jaxpr):
+    assert eqn.primitive.name != other
+    if eqn.primitive.name == op:
+      calls += 1
+      assert made_by == ["optimization_barrier"] * 4
+      assert [v.aval.dtype for v in eqn.invars] == [element] * 2 + [jnp.float8_e8m0fnu] * 2
+  assert calls == 3
 
 
 # ------------------------------------------------ native == xla, bit for bit
 
-def _native(name):
-  return dataclasses.replace(recipes.recipe(name), backend="native")
 
 
 def _native_gemms(name):
@@ -140,7 +192,6 @@ def _native_gemms(name):
 
 
 NATIVE_PRESETS = [n for n in recipes.recipe_names() if _native_gemms(n)]
-DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
 
 
 def _value_and_grads(recipe, x, w, dims, key):
@@ -175,23 +226,26 @@ def _fp4_only(name):
 
 
 @needs_new_jax
-@pytest.mark.parametrize("name", NATIVE_PRESETS)
-def test_native_matches_xla_bitwise(name):
-  """y, dX, dW; K = 72, N = 40 and M = 2 x 20 tokens pad every block and rotation.
+@pytest.mark.parametrize("name,route", [(n, "auto") for n in NATIVE_PRESETS] + [
+    ("mxfp4-dh16", "scaled_matmul"), ("nvfp4", "scaled_dot")])
+def test_native_matches_xla_bitwise(name, route):
+  """y, dX, dW; K = 72, N = 40 and M = 2 x 20 tokens pad every block and rotation;
+  each preset on its own route, and FP4 on the other route too.
 
   FP4 GEMMs agree bit for bit: every E2M1 x E2M1 product times the two block
   scales, and here every partial sum, is exact in float32, so the order in
-  which the two CPU GEMMs add (bf16 dot with float32 accumulation in xla,
-  convert + multiply + float32 dot in scaled_matmul's CPU lowering) cannot
-  matter. MXFP8 products carry 8 significant bits, sums round, and the orders
-  differ: a few outputs differ in the last bit.
+  which the CPU GEMMs add (bf16 dot with float32 accumulation in xla and in
+  lax.scaled_dot's decomposition, convert + multiply + float32 dot in
+  scaled_matmul's CPU lowering) cannot matter. MXFP8 products carry 8
+  significant bits, sums round, and the orders differ: a few outputs differ in
+  the last bit.
   """
   x = jax.random.normal(jax.random.key(0), (2, 20, 72)) * 3.0
   w = jax.random.normal(jax.random.key(1), (72, 40)) * 0.1
   key = jax.random.key(4)
   want, _ = _value_and_grads(recipes.recipe(name), x, w, DENSE, key)
-  got, jaxpr = _value_and_grads(_native(name), x, w, DENSE, key)
-  assert jaxpr.count("scaled_matmul_wrapper") == _native_gemms(name)
+  got, jaxpr = _value_and_grads(_native(name, route), x, w, DENSE, key)
+  assert jaxpr.count("scaled_matmul_wrapper[") + jaxpr.count("scaled_dot[") == _native_gemms(name)
   if _fp4_only(name):
     _assert_same_bits(got, want)
   else:

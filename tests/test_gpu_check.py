@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 
+from fp4jax import backends
 from fp4jax.llama import model as model_lib
 from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
 from fp4jax.bench import kernels as bench_kernels
@@ -97,9 +98,32 @@ def test_flops_per_token_counts_every_matrix_once():
   assert train_speed.flops_per_token(model, 1024) == want
 
 
-def test_native_stage_says_why_it_is_skipped(tmp_path):
+def test_gemm_kinds_tell_block_scaled_from_plain_dots():
+  hlo = """ENTRY %main () -> f32[] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %r = f32[64,16]{1,0} parameter(1)
+  %a = f32[64,96]{1,0} custom-call(%x, %y, %s, %t), custom_call_target="__cudnn$blockScaledDot"
+  %b = f32[64,96]{1,0} scaled-dot(%x, %y, %s, %t), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %c = f32[64,96]{1,0} custom-call(%x, %y), custom_call_target="__cublas$lt$matmul$f8"
+  %d = f32[64,96]{1,0} dot(%p0, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %e = f32[64,16]{1,0} dot(%r, %h), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+  kinds = hlo_stats.gemm_kinds(hlo)
+  assert kinds == {"block-scaled (cuDNN)": 1, "block-scaled (scaled-dot)": 1, "cuBLAS": 1,
+                   "dot bf16": 1, "rotation": 1}
+  assert hlo_stats.gemm_summary(kinds).startswith("block-scaled (cuDNN) 1, block-scaled (")
+
+
+def test_native_stage_reports_gemm_kinds_and_the_missing_fp4_units(tmp_path):
   result, md = gpu_check.native_stage(True, str(tmp_path))
-  assert result["skipped"] == gpu_check.native_unsupported() and md.startswith("skipped: ")
+  if backends.jax_version() < backends.MIN_JAX["native"]:
+    assert "needs jax >= 0.11" in result["skipped"] and md.startswith("skipped: ")
+    return
+  assert not result["fp4_units"] and "platform is 'cpu'" in md and "the emulation" in md
+  rows = {r["name"]: r for r in result["tables"][0]["rows"]}
+  assert set(rows) == {bench_kernels.BASELINE} | {f"{n} ({b})" for n in gpu_check.NATIVE_RECIPES
+                                            for b in gpu_check.NATIVE_BACKENDS}
+  assert all("dot " in r["gemms"] and r["TFLOP/s"] > 0 for r in rows.values())  # the CPU: plain dots
 
 
 def test_dependencies_come_from_pyproject():

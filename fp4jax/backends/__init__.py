@@ -14,16 +14,18 @@ fp4jax.dot calls, per quantized GEMM, one backend module through four functions:
       the operand `quantize` returns, from q = formats.quantize of the same
       rotated input (dtype: that input's dtype) along `axis`: how a saved,
       already quantized operand (fp4jax.residuals) reaches the GEMM.
-  matmul(a, b, dims, precision, out_sharding) -> float32 array
+  matmul(a, b, dims, precision, out_sharding, route) -> float32 array
       lax.dot_general(a, b, dims) of two operands of this backend (dims a
       dot_general's dimension numbers, each operand contracting its `axis`),
       with every float32 factor of the operands (NVFP4 per-tensor scales,
-      stochastic_dither's 4/3) applied to the float32 output.
+      stochastic_dither's 4/3) applied to the float32 output. route: the
+      recipe's native_route (NATIVE_ROUTES; only `native` reads it).
 
 Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
 dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the
 xla GEMM) and `native` (real FP4/FP8 element and E8M0/E4M3 scale arrays into
-one block-scaled GEMM, jax.nn.scaled_matmul; needs jax >= 0.11). A new backend
+one block-scaled GEMM, jax.nn.scaled_matmul or lax.scaled_dot by format;
+needs jax >= 0.11). A new backend
 is one module here plus its name in NAMES.
 
 `resolve(name)` turns "auto" into a backend name for the default device;
@@ -39,6 +41,9 @@ import jax
 NAMES = ("xla", "pallas", "native")
 # Oldest jax a backend runs on (default: the project's floor).
 MIN_JAX = {"native": (0, 11)}
+# The native backend's GEMM op per route ("auto": by format, native.route_for).
+NATIVE_ROUTES = {"auto": None, "scaled_matmul": ("nn", "scaled_matmul"),
+                 "scaled_dot": ("lax", "scaled_dot")}
 
 
 def jax_version() -> tuple[int, ...]:
@@ -52,6 +57,17 @@ def check_jax(name: str):
     raise ValueError(f"backend {name!r} needs jax >= {'.'.join(map(str, need))} "
                      f"(jax.nn.scaled_matmul with a CPU lowering); installed: jax "
                      f"{jax.__version__} (Python >= 3.12 installs newer jax)")
+
+
+def check_native_route(route: str):
+  """Raises ValueError (one line) for an unknown native route or one the installed
+  jax lacks the op of."""
+  if route not in NATIVE_ROUTES:
+    raise ValueError(f"native_route {route!r} not in {tuple(NATIVE_ROUTES)}")
+  op = NATIVE_ROUTES[route]
+  if op is not None and not hasattr(getattr(jax, op[0]), op[1]):
+    raise ValueError(f"native_route {route!r} needs jax.{op[0]}.{op[1]}, which the "
+                     f"installed jax {jax.__version__} lacks")
 
 
 def module(name: str):

@@ -2,31 +2,55 @@
 
 Both operands are rotated exactly as in the xla backend, quantized to a QArray
 (fp4jax.numerics.formats.quantize: float4_e2m1fn / float8 elements, float8_e8m0fnu or,
-for NVFP4, float8_e4m3fn block scales) and multiplied by
-`jax.nn.scaled_matmul`, which takes the elements and block scales as they are
-and accumulates in float32; the float32 per-tensor factors (NVFP4's global
-scales, stochastic_dither's 4/3) are applied to the float32 output, as the
-hardware's epilogue does. MXFP6 elements travel in float8_e4m3fn, which holds
-every E2M3 and E3M2 value exactly (jax 0.12's CPU lowering cannot convert
-float6 arrays), so on a GPU they run as an MXFP8 E4M3 GEMM with the same value.
-Needs jax >= 0.11 (fp4jax.backends.MIN_JAX). `precision` is not used (the
-block-scaled GEMM has one precision).
+for NVFP4, float8_e4m3fn block scales), laid out as [B, rows, K] with scales
+[B, rows, K / block], passed together through `lax.optimization_barrier` (so
+that no XLA pass folds a `f32 -> e2m1 -> f32` round trip and hides the dtype
+the GEMM runs in) and multiplied by one block-scaled op that accumulates in
+float32; the float32 per-tensor factors (NVFP4's global scales,
+stochastic_dither's 4/3) are applied to the float32 output, as the hardware's
+epilogue does. MXFP6 elements travel in float8_e4m3fn, which holds every E2M3
+and E3M2 value exactly (jax 0.12's CPU lowering cannot convert float6 arrays),
+so on a GPU they run as an MXFP8 E4M3 GEMM with the same value. Needs jax >=
+0.11 (fp4jax.backends.MIN_JAX). `precision` is not used.
 
 Takes every GEMM whose two operands are MX or NVFP4 with the same block size.
 Per-tensor FP8 (a float32 scale, no block scales) and unquantized operands are
 run by the xla backend (fp4jax.backends.for_gemm).
 
-Where it runs: `jax.nn.scaled_matmul` lowers
-- on the CPU (jax >= 0.11) to convert + multiply + a float32 dot: the same
-  numbers as the xla backend, bit for bit (tests/test_backends.py), slowly;
-- on CUDA to XLA's block-scaled dot custom call (`__op$block_scaled_dot`),
-  which cuDNN runs on the block-scaled tensor cores of compute capability >= 10
-  (Blackwell). JAX documents cuDNN support for MXFP8 (E4M3/E5M2, E8M0 scales,
-  block 32) and NVFP4 (E2M1, E4M3 scales, block 16). UNTESTED ON REAL
-  HARDWARE: whether MXFP4 (E2M1, E8M0 scales, block 32) runs on the FP4 units
-  or is expanded by XLA is unverified;
-- on ROCm (jax 0.12) to `lax.scaled_dot`, which XLA may hand to hipBLASLt or
-  Triton for MI355X-class FP4 units. Untested: no ROCm device was available.
+Routes (the recipe's `native_route`; `route_for` picks "auto"), by the formats
+that XLA's GPU compiler maps to block-scaled hardware:
+- "scaled_matmul" (`jax.nn.scaled_matmul`): on CUDA the custom call
+  `__op$block_scaled_dot`, which XLA's BlockScalingRewriter hands to cuDNN for
+  MXFP8 (E4M3/E5M2 elements, E8M0 scales, block 32) and NVFP4 (E2M1, E4M3
+  scales, block 16) and expands into a dequantize and a plain dot for anything
+  else (MXFP4 among them); on ROCm jax lowers it to `lax.scaled_dot`.
+  "auto" takes it for NVFP4 and for float8 elements on both sides in blocks
+  of 32.
+- "scaled_dot" (`lax.scaled_dot`): the `xla.scaled_dot` composite, which XLA's
+  GPU CompositeRewriter turns into a Triton `dot_scaled` for F4E2M1FN / F8E4M3FN
+  / F8E5M2 elements with E8M0 scales of block 16 or 32 (one contracting, one
+  batch dimension: the layout above). "auto" takes it for the rest: MXFP4,
+  FP4 x FP8 mixes, MX blocks of 16.
+The platform needs no rule of its own: on ROCm both routes are the same
+composite, and on the CPU both decompose into convert, multiply and a dot.
+
+What is checked, and how:
+- by tests on the CPU (tests/test_backends.py): the route per format and the
+  forced routes, the barrier in the jaxpr, and `native` == `xla` bit for bit
+  for every FP4 preset on its route, and for mxfp4-dh16 and nvfp4 on the other
+  (every E2M1 x E2M1 product times two block scales, and every partial sum
+  there, is exact in float32); tests/test_scaled_matmul.py checks the MXFP4
+  fprop against jax.nn.scaled_dot_general's;
+- by tests that lower for CUDA and ROCm without a device
+  (tests/test_native_lowering.py): each preset's three GEMMs reach the
+  block-scaled custom call (MXFP8, NVFP4) or the `xla.scaled_dot` composite
+  (MXFP4) with FP4/FP8 operand types, and no dot outside the composite's own
+  decomposition takes a dequantized operand. This is StableHLO before XLA's
+  passes: it shows what XLA is handed, not what it makes of it;
+- only by a device run (benchmarks/gpu_check.sh, stage native): that XLA's
+  rewriters keep those ops block-scaled in the optimized HLO (a cuDNN custom
+  call or a Triton scaled-dot fusion rather than a plain dot) and how fast
+  they run; that needs compute capability >= 10 (Blackwell) for FP4 units.
 
 `unsupported_device()` says why a device has no block-scaled matrix units
 (what backend "auto" asks before it picks this backend).
@@ -36,6 +60,7 @@ import dataclasses
 import math
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 from fp4jax.numerics import formats
@@ -43,6 +68,17 @@ from fp4jax.numerics import operand
 from fp4jax.backends import apply_factors
 
 MIN_CAPABILITY = (10, 0)
+
+
+def route_for(lhs, rhs, route="auto"):
+  """The op ("scaled_matmul" or "scaled_dot") for a GEMM of QuantSpecs lhs and rhs:
+  `route` when forced, else the one XLA's GPU compiler maps to block-scaled units
+  for these formats (module docstring)."""
+  if route != "auto":
+    return route
+  fp8_elements = all(jnp.dtype(s.element_dtype) != jnp.float4_e2m1fn for s in (lhs, rhs))
+  cudnn = "nvfp4" in (lhs.family, rhs.family) or (fp8_elements and lhs.block == 32)
+  return "scaled_matmul" if cudnn else "scaled_dot"
 
 
 def unsupported_device(device=None):
@@ -93,14 +129,21 @@ def from_qarray(q, dtype, compute_dtype):
   return dataclasses.replace(q, values=values)
 
 
-def matmul(a, b, dims, precision, out_sharding):
-  """lax.dot_general(a, b, dims)'s float32 result as one jax.nn.scaled_matmul."""
+def matmul(a, b, dims, precision, out_sharding, route="auto"):
+  """lax.dot_general(a, b, dims)'s float32 result as one block-scaled op, the one
+  `route_for(a.spec, b.spec, route)` names."""
   del precision
   (ca, cb), (ba, bb) = dims
   lhs, lhs_scales, lhs_shape = _batch_rows_blocks(a, ca, ba)
   rhs, rhs_scales, rhs_shape = _batch_rows_blocks(b, cb, bb)
-  y = jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales,
-                           preferred_element_type=jnp.float32)
+  lhs, rhs, lhs_scales, rhs_scales = lax.optimization_barrier((lhs, rhs, lhs_scales, rhs_scales))
+  if route_for(a.spec, b.spec, route) == "scaled_matmul":
+    y = jax.nn.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales,
+                             preferred_element_type=jnp.float32)
+  else:  # [B, M, K] x [B, N, K] -> [B, M, N], as scaled_matmul
+    y = lax.scaled_dot(lhs, rhs, lhs_scale=lhs_scales, rhs_scale=rhs_scales,
+                       dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+                       preferred_element_type=jnp.float32)
   y = y.reshape(lhs_shape + rhs_shape[len(bb):])  # dot_general's layout
   if out_sharding is not None:
     y = jax.sharding.reshard(y, out_sharding)

@@ -54,9 +54,10 @@ def from_qarray(q, dtype, compute_dtype):
   return Operand(values.astype(compute_dtype), q.global_scale)
 
 
-def matmul(a, b, dims, precision, out_sharding):
+def matmul(a, b, dims, precision, out_sharding, route=None):
   """The GEMM in the wider of the operands' dtypes, float32 accumulation, then
-  the operands' factors."""
+  the operands' factors (`route` is the native backend's)."""
+  del route
   dtype = jnp.promote_types(a.values.dtype, b.values.dtype)
   y = lax.dot_general(a.values.astype(dtype), b.values.astype(dtype), dims, precision,
                       jnp.float32, out_sharding=out_sharding)

@@ -14,9 +14,13 @@ STAGE:
             attention shape (16384, 4096, 4096); the forward GEMM alone,
             bf16 against the packed-MXFP4 Pallas GEMM; the optimized HLO of
             every variant goes to DIR/hlo/ and its kernel count to the table
-  native    the linear stage on the `native` dot_general backend, where this
-            checkout has one and the GPU has block-scaled FP4 units (compute
-            capability >= 10); otherwise records why it was skipped
+  native    the linear layer (the first shape) on the `native` backend for
+            mxfp8, mxfp4 and nvfp4, each on its own route and forced through
+            scaled_matmul and scaled_dot; per variant whether its GEMMs ran
+            block-scaled (a cuDNN custom call, an HLO scaled-dot for Triton)
+            or as plain dots, and TFLOP/s. Without block-scaled FP4 units
+            (compute capability < 10, e.g. an H200's 9.0) it says so: XLA
+            expands the block-scaled ops and the numbers are the emulation
 Each writes DIR/STAGE.json and DIR/STAGE.md. The numbers are fastest-of-R
 wall times of compiled executables (fp4jax.bench.kernels.measure).
 """
@@ -32,7 +36,7 @@ import tomllib
 
 import jax
 
-from fp4jax import recipes
+from fp4jax import backends, recipes
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.bench.train_speed import H200_BF16_TFLOPS
 from fp4jax.kernels import quantize as kq
@@ -41,6 +45,8 @@ H200_HBM_TBS = 4.8  # HBM3e bandwidth, same datasheet
 LINEAR_SHAPES = ((16384, 4096, 14336), (16384, 4096, 4096))
 TINY_LINEAR_SHAPES = ((128, 128, 128), (128, 128, 64))
 LINEAR_RECIPES = ("fp8", "mxfp4", "mxfp4-dh16")
+NATIVE_RECIPES = ("mxfp8", "mxfp4", "nvfp4")
+NATIVE_BACKENDS = ("native", "native:scaled_matmul", "native:scaled_dot")
 
 
 def dependencies(pyproject="pyproject.toml", extras=("test",)):
@@ -65,7 +71,7 @@ def package_versions(names):
 
 
 def native_unsupported():
-  """Why the `native` dot_general backend cannot be timed here, or None.
+  """Why this device has no block-scaled FP4 units for the `native` backend, or None.
 
   Asks the backend's own device check (fp4jax.backends.native, which comes
   with the backend); a checkout without the backend says so.
@@ -146,11 +152,19 @@ def linear_stage(tiny, work, backend_names=("xla", "pallas"), gemm_only=True):
 
 
 def native_stage(tiny, work):
-  """The linear stage on the `native` backend alone (bf16 baseline included)."""
+  """The native backend's GEMM kinds and speed by format and route (module docstring)."""
+  try:
+    backends.check_jax("native")
+  except ValueError as e:
+    return {"skipped": str(e)}, f"skipped: {e}"
+  shapes, repeats = (TINY_LINEAR_SHAPES[:1], 2) if tiny else (LINEAR_SHAPES[:1], 10)
+  tables, mds = _linear_tables(shapes, NATIVE_RECIPES, NATIVE_BACKENDS, repeats, work, False)
   why_not = native_unsupported()
-  if why_not:
-    return {"skipped": why_not}, f"skipped: {why_not}"
-  return linear_stage(tiny, work, ("native",), gemm_only=False)
+  note = ("block-scaled FP4 units: yes" if why_not is None else
+          f"no block-scaled FP4 units ({why_not}): XLA expands the block-scaled ops "
+          "into dequantize + dot, so these numbers measure the emulation")
+  return ({"repeats": repeats, "tables": tables, "fp4_units": why_not is None, "note": note},
+          bench_kernels.header(repeats) + "\n\n" + note + "\n\n" + "\n\n".join(mds))
 
 
 STAGES = {"env": env_stage, "quantize": quantize_stage, "linear": linear_stage,

@@ -64,3 +64,54 @@ def kernel_counts(hlo_text):
       if opcode not in _BOOKKEEPING:
         counts[opcode] += 1
   return counts
+
+
+_CUDNN_BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
+_PLAIN_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
+_SHAPED = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"\s(dot|scaled-dot)\(%?([\w.\-]+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def gemm_kinds(hlo_text, rotation_max=32):
+  """Counter of the GEMMs an optimized HLO module runs, fused ones included, by kind:
+
+  "block-scaled (cuDNN)": a cuDNN block-scaled dot custom call;
+  "block-scaled (scaled-dot)": an HLO scaled-dot (what Triton's dot_scaled runs);
+  "cuBLAS": a cuBLAS / cuBLASLt GEMM custom call (FP8 ones among them);
+  "dot DTYPE": a plain dot with DTYPE operands (its lhs's) and a contraction
+  longer than rotation_max; "rotation": a dot contracting rotation_max or fewer
+  elements (a Hadamard block). Every instruction line counts once, wherever it sits.
+  """
+  shapes = {}
+  for line in hlo_text.splitlines():
+    m = _SHAPED.match(line)
+    if m:
+      shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
+  counts = collections.Counter()
+  for line in hlo_text.splitlines():
+    if "custom-call(" in line:
+      if any(f'"{t}"' in line for t in _CUDNN_BLOCK_SCALED):
+        counts["block-scaled (cuDNN)"] += 1
+      elif any(f'"{t}' in line for t in _PLAIN_GEMM_CALLS):
+        counts["cuBLAS"] += 1
+      continue
+    dot = _DOT.search(line)
+    if not dot:
+      continue
+    if dot.group(1) == "scaled-dot":
+      counts["block-scaled (scaled-dot)"] += 1
+      continue
+    dtype, shape = shapes.get(dot.group(2), ("?", []))
+    dims = _LHS_CONTRACTING.search(line)
+    k = 1
+    for d in (dims.group(1).split(",") if dims and dims.group(1) else []):
+      k *= shape[int(d)] if int(d) < len(shape) else 1
+    counts["rotation" if shape and k <= rotation_max else f"dot {dtype}"] += 1
+  return counts
+
+
+def gemm_summary(counts):
+  """'kind n, kind n' of gemm_kinds' Counter, block-scaled kinds first."""
+  return ", ".join(f"{k} {n}" for k, n in sorted(
+      counts.items(), key=lambda kv: (not kv[0].startswith("block"), kv[0])))

@@ -86,13 +86,19 @@ BASELINE = "bf16 (lax.dot_general)"
 
 def linear_variants(recipe_names, backends):
   """name -> jitted (x, w, dy) -> (y, dx, dw): the plain bf16 baseline, then
-  `RECIPE (BACKEND)` for each recipe and dot_general backend."""
+  `RECIPE (BACKEND)` for each recipe and dot_general backend (fixed keys for
+  random recipes); a backend "native:ROUTE" is native with native_route=ROUTE."""
   out = {BASELINE: lambda x, w: lax.dot_general(
       x, w, _DIMS, preferred_element_type=jnp.float32).astype(x.dtype)}
   for name in recipe_names:
     for backend in backends:
-      dg = dot.dot_general(dataclasses.replace(recipes.recipe(name), backend=backend))
-      out[f"{name} ({backend})"] = lambda x, w, dg=dg: dg(x, w, _DIMS)
+      name_, _, route = backend.partition(":")
+      recipe = dataclasses.replace(recipes.recipe(name), backend=name_,
+                                   native_route=route or "auto")
+      keys = dict(key=jax.random.key(0) if recipe.is_random else None,
+                  layer_key=jax.random.key(1) if recipe.needs_layer_key else None)
+      out[f"{name} ({backend})"] = (
+          lambda x, w, dg=dot.dot_general(recipe), keys=keys: dg(x, w, _DIMS, **keys))
   return {name: fwd_bwd(f) for name, f in out.items()}
 
 
@@ -179,8 +185,8 @@ def linear_inputs(m, k, n):
 
 def linear_rows(shape, recipe_names, backends, repeats, gemm_only=False, hlo_dir=None):
   """One dict per fwd+bwd variant of the [M,K] x [K,N] layer: name, ms,
-  vs_bf16, TFLOP/s (the three GEMMs' 6MKN flops over the time), kernels;
-  or name, error. gemm_only adds the forward GEMM alone (bf16 vs packed;
+  vs_bf16, TFLOP/s (the three GEMMs' 6MKN flops over the time), kernels,
+  gemms (hlo_stats.gemm_summary: block-scaled or plain); or name, error. gemm_only adds the forward GEMM alone (bf16 vs packed;
   vs_bf16 of those two is against the bf16 forward GEMM).
   hlo_dir: write each variant's optimized HLO there (for a missed goal).
   """
@@ -209,6 +215,7 @@ def linear_rows(shape, recipe_names, backends, repeats, gemm_only=False, hlo_dir
     ref = gemm_base if name.startswith("gemm") else base
     rows.append({"name": name, "ms": t * 1e3, "vs_bf16": t / ref if ref else None,
                  "TFLOP/s": flops[name] / t / 1e12, "kernels": sum(kernels.values()),
+                 "gemms": hlo_stats.gemm_summary(hlo_stats.gemm_kinds(meas["hlo"])),
                  "kernel_ops": dict(kernels.most_common(6))})
   return rows
 
@@ -221,7 +228,7 @@ QUANT_COLUMNS = (("ms", "time (ms)"), ("GB/s", "GB/s"),
                  ("copy_fraction", "fraction of copy"), ("vs_copy", "time / negate"),
                  ("kernels", "kernels"))
 LINEAR_COLUMNS = (("ms", "time (ms)"), ("vs_bf16", "/ bf16"), ("TFLOP/s", "TFLOP/s"),
-                  ("kernels", "kernels"))
+                  ("kernels", "kernels"), ("gemms", "GEMMs in the optimized HLO"))
 
 
 def markdown(rows, columns, title):
