@@ -4,13 +4,16 @@ Test files import them from here (`from tests.helpers import ...`), never from
 one another.
 """
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
-from fp4jax import checkpointing
+from fp4jax import backends, checkpointing, recipes
+from fp4jax.backends import native
 from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
 
@@ -129,3 +132,25 @@ def final_state(workdir):
   ckpts.close()
   path = os.path.join(workdir, "checkpoints", str(step), "state")
   return step, ocp.StandardCheckpointer().restore(path)
+
+
+# --- the native backend -------------------------------------------------------
+
+NEW_JAX = backends.jax_version() >= backends.MIN_JAX["native"]
+needs_new_jax = pytest.mark.skipif(
+    not NEW_JAX, reason=f"backend native needs jax >= 0.11 (jax.nn.scaled_matmul's CPU "
+    f"lowering); installed jax {jax.__version__}")
+
+
+def native_recipe(name, route="auto"):
+  """Preset `name` on the native backend, its GEMMs forced to `route`."""
+  return dataclasses.replace(recipes.recipe(name), backend="native", native_route=route)
+
+
+def native_gemms(name):
+  """How many of the preset's three GEMMs the native backend runs itself."""
+  r = recipes.recipe(name)
+  return sum(native.unsupported(getattr(r, role)) is None for role in recipes.ROLES)
+
+
+NATIVE_PRESETS = [n for n in recipes.recipe_names() if native_gemms(n)]

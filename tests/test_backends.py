@@ -19,17 +19,10 @@ from fp4jax import backends, dot, recipes
 from fp4jax.numerics import formats
 from fp4jax.backends import native
 from fp4jax.recipes import Gemm, Recipe
+from tests.helpers import NATIVE_PRESETS, NEW_JAX, native_gemms, native_recipe, needs_new_jax
 
-NEW_JAX = backends.jax_version() >= backends.MIN_JAX["native"]
-needs_new_jax = pytest.mark.skipif(
-    not NEW_JAX, reason=f"backend native needs jax >= 0.11 (jax.nn.scaled_matmul's CPU "
-    f"lowering); installed jax {jax.__version__}")
 MXFP4 = formats.QuantSpec("mxfp4")
 DENSE = (((2,), (0,)), ((), ()))  # x[B, L, K] . w[K, N]
-
-
-def _native(name, route="auto"):
-  return dataclasses.replace(recipes.recipe(name), backend="native", native_route=route)
 
 
 def _device(platform, kind, capability=None):
@@ -164,7 +157,7 @@ def _eqns(jaxpr, made_by=None):
 def test_each_gemm_is_one_op_behind_a_barrier(name, route, op):
   """y, dX, dW: per GEMM one block-scaled op (and none of the other route) whose four
   inputs, elements and scales in their own dtypes, come out of an optimization_barrier."""
-  dg = dot.dot_general(_native(name, route))
+  dg = dot.dot_general(native_recipe(name, route))
   def f(x, w):
     y, vjp = jax.vjp(lambda a, b: dg(a, b, DENSE), x, w)
     return vjp(y)
@@ -185,13 +178,6 @@ def test_each_gemm_is_one_op_behind_a_barrier(name, route, op):
 
 
 
-def _native_gemms(name):
-  """How many of the preset's three GEMMs the native backend runs itself."""
-  r = recipes.recipe(name)
-  return sum(native.unsupported(getattr(r, role)) is None for role in recipes.ROLES)
-
-
-NATIVE_PRESETS = [n for n in recipes.recipe_names() if _native_gemms(n)]
 
 
 def _value_and_grads(recipe, x, w, dims, key):
@@ -244,8 +230,8 @@ def test_native_matches_xla_bitwise(name, route):
   w = jax.random.normal(jax.random.key(1), (72, 40)) * 0.1
   key = jax.random.key(4)
   want, _ = _value_and_grads(recipes.recipe(name), x, w, DENSE, key)
-  got, jaxpr = _value_and_grads(_native(name, route), x, w, DENSE, key)
-  assert jaxpr.count("scaled_matmul_wrapper[") + jaxpr.count("scaled_dot[") == _native_gemms(name)
+  got, jaxpr = _value_and_grads(native_recipe(name, route), x, w, DENSE, key)
+  assert jaxpr.count("scaled_matmul_wrapper[") + jaxpr.count("scaled_dot[") == native_gemms(name)
   if _fp4_only(name):
     _assert_same_bits(got, want)
   else:
@@ -266,7 +252,7 @@ def test_native_matches_xla_bitwise_in_other_layouts(layout):
   x = jax.random.normal(jax.random.key(0), ls, jnp.bfloat16)
   w = jax.random.normal(jax.random.key(1), rs, jnp.bfloat16)
   want, _ = _value_and_grads(recipes.recipe("mxfp4-dh16"), x, w, dims, None)
-  got, _ = _value_and_grads(_native("mxfp4-dh16"), x, w, dims, None)
+  got, _ = _value_and_grads(native_recipe("mxfp4-dh16"), x, w, dims, None)
   _assert_same_bits(got, want)
 
 
@@ -289,7 +275,7 @@ def test_native_llama_gradients_match_xla_bitwise():
     return jax.jit(jax.value_and_grad(loss))(params)
 
   want = jax.tree.leaves(loss_and_grads(recipes.recipe("mxfp4-dh16")))
-  got = jax.tree.leaves(loss_and_grads(_native("mxfp4-dh16")))
+  got = jax.tree.leaves(loss_and_grads(native_recipe("mxfp4-dh16")))
   _assert_same_bits(got, want)
 
 
@@ -312,6 +298,6 @@ def test_native_data_parallel_matches_xla_bitwise():
     loss = lambda a, b: jnp.sum(dg(a, b, (((1,), (0,)), ((), ()))) ** 2)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
 
-  got = grads(_native("mxfp4-dh16"))
+  got = grads(native_recipe("mxfp4-dh16"))
   assert got[1][0].sharding.spec == sharding.PartitionSpec("data")
   _assert_same_bits(jax.tree.leaves(got), jax.tree.leaves(grads(recipes.recipe("mxfp4-dh16"))))

@@ -24,7 +24,7 @@ import pytest
 
 from fp4jax import dot, recipes
 from fp4jax.backends import native
-from tests.test_backends import NATIVE_PRESETS, _native, needs_new_jax
+from tests.helpers import NATIVE_PRESETS, native_recipe, needs_new_jax
 
 DENSE = (((1,), (0,)), ((), ()))  # x[M, K] . w[K, N]
 ARGS = (jax.ShapeDtypeStruct((64, 128), jnp.float32),
@@ -119,7 +119,7 @@ def check(text, recipe, platform):
 @needs_new_jax
 @pytest.mark.parametrize("name", NATIVE_PRESETS)
 def test_every_native_gemm_lowers_to_a_block_scaled_op(name):
-  recipe = _native(name)
+  recipe = native_recipe(name)
   for platform, text in lowered(recipe).items():
     check(text, recipe, platform)
 
@@ -128,7 +128,7 @@ def test_every_native_gemm_lowers_to_a_block_scaled_op(name):
 @pytest.mark.parametrize("name,route,want", [("mxfp4", "scaled_matmul", CUSTOM_CALL),
                                              ("mxfp8", "scaled_dot", COMPOSITE)])
 def test_a_forced_route_lowers_to_its_op(name, route, want):
-  recipe = _native(name, route)
+  recipe = native_recipe(name, route)
   text = lowered(recipe, ("cuda",))["cuda"]
   check(text, recipe, "cuda")
   assert sum(want in line for line in outside_decompositions(text)) == 3
