@@ -108,32 +108,3 @@ def test_rotation_preserves_norms_and_dots(x, axis, block, seed):
   gx = x64 @ x64.T if axis == 1 else x64.T @ x64
   gy = y @ y.T if axis == 1 else y.T @ y
   np.testing.assert_allclose(gy, gx, atol=tol * (np.abs(x64).max() + 1) * 16)
-
-
-@pytest.mark.parametrize("block", [16, 32])
-def test_bf16_rotation_is_the_float32_one_rounded(block):
-  """bfloat16 inputs (block 16: the bf16 dot; block 32: 1/sqrt(32) is not a bf16, the
-  float32 path) give the float32 rotation rounded to bf16, bit for bit, on normal and
-  Student-t(2) data; on values spread over 2^+-40 the bf16 dot's own summation order
-  differs in ~1e-4 of the elements (2026-12-01: 104 of 1M at block 16, axis 0), only in
-  blocks whose values span more than 2^12, where float32 sums round."""
-  rng = np.random.default_rng(0)
-  signs = jnp.asarray(rng.choice([-1.0, 1.0], block), jnp.float32)
-  wide = rng.standard_normal((1024, 256)) * np.exp2(rng.integers(-40, 40, (1024, 256)))
-  for name, x in [("normal", rng.standard_normal((512, 256))),
-                  ("t2", rng.standard_t(2, (512, 256))), ("wide", wide)]:
-    x = jnp.asarray(x, jnp.bfloat16)
-    for axis in (0, 1):
-      got = np.asarray(hadamard.rotate(x, block, axis, signs)).view(np.uint16)
-      want = np.asarray(hadamard.rotate(x.astype(jnp.float32), block, axis, signs)
-                        .astype(jnp.bfloat16)).view(np.uint16)
-      differs = got != want
-      if name != "wide":
-        assert not differs.any(), (name, axis)
-        continue
-      assert differs.mean() < 1e-3, axis
-      mag = np.abs(np.asarray(x, np.float32))
-      mag = np.moveaxis(mag, axis, -1).reshape(-1, block)
-      span = mag.max(-1) / np.where(mag > 0, mag, np.inf).min(-1)
-      blocks = np.moveaxis(differs, axis, -1).reshape(-1, block).any(-1)
-      assert (span[blocks] > 2.0 ** 12).all(), axis

@@ -87,18 +87,7 @@ def _matrix(block, signs, inverse):
 
 
 def _apply(x, m, block, axis):
-  """Multiplies each block along `axis` by m, without moving axes.
-
-  float32 products and sums (HIGHEST precision), rounded to x's dtype. For a
-  bfloat16 x and a block that is a power of four (m's entries +-2^-k, exact in
-  bfloat16) the dot takes x and m in bfloat16 with float32 accumulation
-  (about twice as fast on the CPU): every product is the same exact float32,
-  and so is every sum of a block's products that needs at most 24 bits, i.e.
-  whenever the block's values span less than about 2^(16 - log2 block); only
-  beyond that can the summation order (the dot's own) move the float32 sum by
-  an ulp, and the bfloat16 result only where that sum sits within an ulp of a
-  bfloat16 rounding tie (tests/test_hadamard.py measures how often).
-  """
+  """Multiplies each block along `axis` by m, without moving axes."""
   dtype = jnp.result_type(x)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"can only rotate real floating arrays, got dtype {dtype}")
@@ -109,8 +98,6 @@ def _apply(x, m, block, axis):
   if n % block:
     raise ValueError(f"axis {axis} has length {n}, not a multiple of the "
                      f"Hadamard block {block}")
-  if dtype == jnp.bfloat16 and (block.bit_length() - 1) % 2 == 0:
-    return _apply_bf16(x, m.astype(jnp.bfloat16), block, axis)
   xf = x.astype(jnp.float32)
   hi = lax.Precision.HIGHEST
   if axis == x.ndim - 1:
@@ -122,17 +109,6 @@ def _apply(x, m, block, axis):
     xr = xf.reshape(p, block, -1)
     mt = jnp.broadcast_to(m.T, (p, block, block))
     y = lax.dot_general(mt, xr, (((2,), (1,)), ((0,), (0,))), precision=hi)
-  return y.reshape(x.shape).astype(x.dtype)
-
-
-def _apply_bf16(x, m, block, axis):
-  """_apply for bfloat16 x and m (see there): one dot, float32 accumulation."""
-  n, f32 = x.shape[axis], jnp.float32
-  if axis == x.ndim - 1:
-    y = jnp.matmul(x.reshape(x.shape[:-1] + (n // block, block)), m, preferred_element_type=f32)
-  else:  # [P, block, R]: out[p] = m^T @ x[p]
-    xr = x.reshape(int(np.prod(x.shape[:axis])) * (n // block), block, -1)
-    y = jnp.einsum("ji,pjr->pir", m, xr, preferred_element_type=f32)
   return y.reshape(x.shape).astype(x.dtype)
 
 
