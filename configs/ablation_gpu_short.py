@@ -17,11 +17,11 @@ size is an estimate (one compile and ~300 short steps per recipe).
 
 import os
 
-from fp4jax.bench.train_speed import load_config
+from fp4jax.train.cli import load_config_file
 
 
 def get_config():
-  config = load_config(os.path.join(os.path.dirname(__file__), "ablation_gpu.py"))
+  config = load_config_file(os.path.join(os.path.dirname(__file__), "ablation_gpu.py"))
   config.steps = 300
   config.warmup_steps = 30
   config.eval_every = 50

@@ -22,7 +22,7 @@ rerun skips the runs complete there.
 
 import os
 
-from fp4jax.bench.train_speed import load_config
+from fp4jax.train.cli import load_config_file
 from fp4jax.experiments import ablation
 
 ARMS = ("A0=mxfp4-dh16; "
@@ -33,7 +33,7 @@ ARMS = ("A0=mxfp4-dh16; "
 
 
 def get_config():
-  config = load_config(os.path.join(os.path.dirname(__file__), "ablation_tiny.py"))
+  config = load_config_file(os.path.join(os.path.dirname(__file__), "ablation_tiny.py"))
   config.steps = 2000
   config.lr = 3e-3
   config.warmup_steps = 30

@@ -16,13 +16,13 @@ the running minimum by 1 nat, the final validation loss
 
 import os
 
-from fp4jax.bench.train_speed import load_config
+from fp4jax.train.cli import load_config_file
 
 ARMS = ("A0", "A1", "A3", "fp8")
 
 
 def get_config(lr="1e-2"):
-  config = load_config(os.path.join(os.path.dirname(__file__), "horizon_tiny.py"))
+  config = load_config_file(os.path.join(os.path.dirname(__file__), "horizon_tiny.py"))
   config.lr = float(lr)
   config.steps = 600
   config.eval_every = 100
