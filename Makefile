@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test
 WORKDIR ?= runs/demo
 
-.PHONY: train test test-fast install clean
+.PHONY: train test test-fast test-maxtext install clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+# fp4jax recipes inside MaxText (Python >= 3.12): its own suite, with the maxtext extra.
+test-maxtext:
+	$(MAKE) install PYTHON=$(PYTHON) EXTRAS=test,maxtext
+	$(PY) -m pytest -q -n 2 tests/test_maxtext.py
 
 clean:
 	rm -rf .venv .venv-* runs
