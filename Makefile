@@ -1,5 +1,5 @@
 # The two commands of the README: `make train` (the main job) and `make test`
-# (the whole suite); `make test-fast` leaves out the tests marked slow.
+# (the whole suite); `make test-fast` runs the numerics, dot_general, recipes and backends tests.
 # PYTHON picks the interpreter (e.g. `make test PYTHON=python3.12`); each
 # interpreter gets its own virtual environment, .venv for the default python3
 # and .venv-<name> for any other, so the two never clash. EXTRAS picks the
@@ -27,8 +27,13 @@ train: install
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
+# The numerics, dot_general, recipes and backends (and the layout checks): a few minutes.
+FAST_TESTS := $(addprefix tests/test_,formats.py scales.py element_tables.py numpy_reference.py \
+  hadamard.py blocks2d.py quest.py eden.py four_over_six.py dot.py recipes.py backends.py \
+  layout.py readme_layout.py configs.py)
+
 test-fast: install
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" $(FAST_TESTS)
 
 # fp4jax recipes inside MaxText (Python >= 3.12): its own suite, with the maxtext extra.
 test-maxtext:
