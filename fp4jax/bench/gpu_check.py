@@ -38,7 +38,7 @@ import jax
 
 from fp4jax import backends, recipes
 from fp4jax.bench import kernels as bench_kernels
-from fp4jax.bench.train_speed import H200_BF16_TFLOPS
+from fp4jax.train import throughput
 from fp4jax.kernels import quantize as kq
 
 H200_HBM_TBS = 4.8  # HBM3e bandwidth, same datasheet
@@ -135,7 +135,7 @@ def _linear_tables(shapes, recipe_names, backend_names, repeats, work, gemm_only
                                      gemm_only=gemm_only, hlo_dir=hlo_dir)
     for r in rows:
       if "TFLOP/s" in r:
-        r["fraction_of_bf16_peak"] = r["TFLOP/s"] / H200_BF16_TFLOPS
+        r["fraction_of_bf16_peak"] = r["TFLOP/s"] / throughput.PEAK_BF16_TFLOPS["H200"]
     tables.append({"shape": list(shape), "rows": rows})
     mds.append(bench_kernels.markdown(
         rows, bench_kernels.LINEAR_COLUMNS + (("fraction_of_bf16_peak", "of 989 TF"),),

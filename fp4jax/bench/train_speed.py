@@ -21,15 +21,16 @@ import argparse
 import json
 import os
 import tempfile
+import types
 
 import jax
 
 from fp4jax.train import cli
 from fp4jax.train import config as train_config
+from fp4jax.train import throughput
 from fp4jax.train import trainer
 from fp4jax.experiments import ablation
 
-H200_BF16_TFLOPS = 989.0  # dense bf16, NVIDIA's H200 SXM datasheet
 
 
 def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
@@ -50,15 +51,6 @@ def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
   return cfg
 
 
-def flops_per_token(model, seq_len):
-  """PaLM's model FLOPs per trained token for a resolved LlamaConfig dict."""
-  d, layers = model["dim"], model["n_layers"]
-  kv_dim = d // model["n_heads"] * model["n_kv_heads"]
-  block = d * (2 * d + 2 * kv_dim) + 3 * d * model["mlp_dim"]  # q, o, k, v; gate, up, down
-  matrices = layers * block + d * model["vocab_size"]  # + the head
-  return 6 * matrices + 12 * layers * d * seq_len
-
-
 def measure(cfg, peak_tflops, config_steps=None):
   """Trains `cfg` in a temporary workdir; returns the measurements (dict).
 
@@ -69,7 +61,8 @@ def measure(cfg, peak_tflops, config_steps=None):
     with open(os.path.join(workdir, "config.json")) as f:
       resolved = json.load(f)["resolved"]
   stats = jax.devices()[0].memory_stats() or {}
-  fpt = flops_per_token(resolved["model"], cfg.seq_len)
+  fpt = throughput.flops_per_token(summary["n_params"],
+                                   types.SimpleNamespace(**resolved["model"]), cfg.seq_len)
   tps = summary["tokens_per_s"]
   return dict(
       recipe=cfg.quant.name, backend=cfg.quant.backend, steps=summary["step"],
@@ -94,7 +87,7 @@ def parser():
   p.add_argument("--recipe", default="bf16")
   p.add_argument("--backend", default="xla")
   p.add_argument("--steps", type=int, default=20)
-  p.add_argument("--peak_tflops", type=float, default=H200_BF16_TFLOPS)
+  p.add_argument("--peak_tflops", type=float, default=throughput.PEAK_BF16_TFLOPS["H200"])
   p.add_argument("--tiny", action="store_true")
   p.add_argument("--scan_layers", action="store_true",
                  help="scan over the blocks (shorter compile, same model)")
