@@ -343,3 +343,39 @@ def test_git_commit_commits_the_results_folder_only(tmp_path):
   assert committed.git_commit([str(tmp_path / "results")], "nothing new") is None
   with pytest.raises(errors.UserError, match="not in a git work tree"):
     committed.git_commit([str(tmp_path.parent)], "outside")
+
+
+def _snr_run(seed, values_by_step):
+  rows = [{"step": s, "diag/train/block_0/attn/q/wgrad/snr_true": v,
+           "diag/train/block_3/mlp/down/wgrad/snr_true": 2 * v,
+           "diag/train/block_0/attn/q/fprop/snr_true": 0.0}
+          for s, v in values_by_step.items()]
+  return report.Run("A1", seed, "", rows, np.zeros(0), np.zeros(0), "completed", 0, None)
+
+
+def test_the_snr_crossing_is_the_first_window_whose_median_is_below_sqrt3():
+  # Windows (1, 2), (250-252), (500-502); layer values v and 2v, two seeds.
+  high = {1: 5.0, 2: 5.0, 250: 2.0, 251: 0.0, 252: 2.0, 500: 0.5, 501: 0.6, 502: 0.0}
+  runs = [_snr_run(0, high), _snr_run(1, high)]
+  # 250-252: median of {2, 0, 2, 4, 0, 4} x 2 seeds = 2 > sqrt(3); 500: 0.6 x ... < sqrt(3).
+  assert horizon.snr_crossing(runs) == 500
+  assert horizon.snr_crossing(runs, threshold=2.5) == 250
+  assert horizon.snr_crossing(runs, role="dgrad") is None
+  assert horizon.snr_crossing([_snr_run(0, {1: 9.0, 250: 9.0})]) is None
+
+
+def test_the_crossing_lines_split_the_paired_difference_at_the_mark():
+  steps = np.array([0, 250, 500, 750, 1000], np.float64)
+  diff = np.array([[0.0, 0.01, 0.02, 0.05, 0.07], [0.0, 0.03, 0.02, 0.07, 0.09]])
+  lines = horizon.crossing_lines({"A1": 750, "A2": None}, {"C1 = A1 - A2": (steps, diff)},
+                                 {"C1 = A1 - A2": 750})
+  assert "A1 at step 750, A2 never" in lines[0]
+  assert lines[1] == ("- C1 = A1 - A2: mean paired difference before step 750 +0.0200 "
+                      "(2 evaluations), from it on +0.0700 (2 evaluations) (contrasts.png: "
+                      "dashed line).")
+
+
+@pytest.mark.parametrize("module", [horizon, report])
+def test_help_prints_the_usage_and_exits_0(module, capsys):
+  assert module.main(["prog", "--help"]) == 0
+  assert capsys.readouterr().out.startswith("usage: python -m fp4jax.experiments.")

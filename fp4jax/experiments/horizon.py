@@ -12,6 +12,9 @@ is the report's (fp4jax.experiments.report, .verdicts). Its second family:
              spread over ln(hi / lo)).
 `operand_errors` gives an arm's Wgrad operand errors: the validity rule of a
 contrast for "variation in time" needs its two arms at the same error size.
+`snr_crossing` gives the first step where an arm's Wgrad snr_true falls below
+sqrt(3) (exploratory: not a declared statistic); the section marks it on each
+contrast's figure and compares the paired difference before and after it.
 
 E2 (`stress_outcome`, from a run's metrics.jsonl rows, logged every step):
 the step of the first non-finite training loss, the count of skipped steps,
@@ -31,6 +34,7 @@ import sys
 
 import numpy as np
 
+from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax.experiments import declaration as declaration_lib
 from fp4jax.experiments import inference
@@ -69,6 +73,50 @@ def operand_errors(runs_of_arm, role="wgrad", source="train"):
 def errors_match(a, b, tolerance=0.03) -> bool:
   """True when every operand error of a is within `tolerance` (relative) of b's."""
   return all(abs(a[k] - b[k]) <= tolerance * b[k] for k in b)
+
+
+def snr_crossing(runs_of_arm, threshold=diagnostics.SNR_THRESHOLD, role="wgrad"):
+  """First diagnostic window (its first step) at which the median of an arm's
+  `role` snr_true values (over its measured layers, seeds and the window's
+  consecutive steps) is below `threshold`; None if never or not measured. A
+  median, because single values are often clipped to 0."""
+  by_step = {}
+  for run in runs_of_arm:
+    for key, (steps, values) in plots.diag_series(run.rows).items():
+      source, _, r, stat = plots.parse_key(key)
+      if (source, r, stat) == ("train", role, "snr_true"):
+        for step, value in zip(steps.tolist(), values.tolist()):
+          by_step.setdefault(step, []).append(value)
+  windows = []
+  for step in sorted(by_step):
+    if windows and step == windows[-1][-1] + 1:
+      windows[-1].append(step)
+    else:
+      windows.append([step])
+  for window in windows:
+    if np.median([v for step in window for v in by_step[step]]) < threshold:
+      return window[0]
+  return None
+
+
+def crossing_lines(crossings, curves, marks) -> list[str]:
+  """Markdown (exploratory): each arm's snr_true crossing ({arm: step or None}),
+  and per contrast the mean paired difference (curves: contrast_curves) at the
+  evaluations before and from its mark (its arms' earliest crossing)."""
+  shown = ", ".join(f"{a} {'never' if s is None else f'at step {s}'}"
+                    for a, s in crossings.items())
+  lines = [f"- Exploratory (not declared): the first step where Wgrad snr_true (geometric "
+           f"mean over layers and seeds) falls below sqrt(3): {shown}."]
+  for label, (steps, diff) in curves.items():
+    cross = marks.get(label)
+    if cross is None:
+      continue
+    mean = diff.mean(0)
+    before, after = mean[(steps > 0) & (steps < cross)], mean[steps >= cross]
+    text = lambda x: f"{x.mean():+.4f} ({x.size} evaluations)" if x.size else "none"
+    lines.append(f"- {label}: mean paired difference before step {cross} {text(before)}, "
+                 f"from it on {text(after)} (contrasts.png: dashed line).")
+  return lines
 
 
 def contrast_curves(runs, decl):
@@ -118,7 +166,11 @@ def growth_section(workdir, path=None) -> list[str]:
   smallest_growth = smallest / math.log(hi / lo)
   values = {arm: {r.seed: growth(*eval_curve(r), lo, hi) for r in rs} for arm, rs in runs.items()}
   results = verdicts.evaluate(decl, values, smallest_growth)
-  plots.plot_contrasts(os.path.join(workdir, "contrasts.png"), contrast_curves(runs, decl))
+  curves = contrast_curves(runs, decl)
+  crossings = {arm: snr_crossing(rs) for arm, rs in runs.items()}
+  marks = {c.label: min((crossings[a] for a in c.weights if crossings.get(a) is not None), default=None)
+           for claim in decl.claims for c in claim.contrasts}
+  plots.plot_contrasts(os.path.join(workdir, "contrasts.png"), curves, marks)
   state = declaration_lib.status(workdir, path)
   lines = ["", f"Growth (declared second family; declaration {state}): per arm and seed the "
            f"slope of the validation loss against ln(step) over steps {lo}-{hi}; a contrast "
@@ -130,7 +182,7 @@ def growth_section(workdir, path=None) -> list[str]:
   lines += verdicts.lines(results, smallest_growth, decl.power)
   for rule in raw.get("validity", []):
     lines += validity_lines(runs, rule)
-  return lines
+  return lines + crossing_lines(crossings, curves, marks)
 
 
 # ------------------------------------------------------------------ E2
@@ -188,6 +240,9 @@ _COMMANDS = {"e1": (growth_section, "horizon.md"), "stress": (stress_table, "tab
 
 def main(argv):
   prog = "python -m fp4jax.experiments.horizon"
+  if any(a in ("-h", "--help") for a in argv[1:]):
+    print(f"usage: {prog} e1|stress RESULTS\n\n" + __doc__)
+    return 0
   if len(argv) != 3 or argv[1] not in _COMMANDS or not os.path.isdir(argv[2]):
     return errors.report(prog, f"usage: {prog} e1|stress RESULTS (a results folder), got "
                          f"{' '.join(argv[1:])!r}")

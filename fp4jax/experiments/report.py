@@ -427,9 +427,9 @@ def instruments_section(runs):
 def smallest_effect(runs, decl):
   """(the baseline's late slope dL/d ln(tokens), mean over its seeds; the
   declaration's smallest effect of interest in nats through it)."""
-  slopes = [inference.log_slope(r.tokens_T, r.loss_T, decl.late_from)
-            for r in runs.get(decl.baseline) or []]
-  slope = float(np.nanmean(slopes)) if slopes else math.nan
+  slopes = [s for s in (inference.log_slope(r.tokens_T, r.loss_T, decl.late_from)
+                        for r in runs.get(decl.baseline) or []) if math.isfinite(s)]
+  slope = float(np.mean(slopes)) if slopes else math.nan
   return slope, inference.effect_nats(slope, decl.smallest_effect_tokens)
 
 
@@ -533,6 +533,9 @@ def _options(args):
 def main(argv):
   """Redraws the report; defaults come from WORKDIR/ablation_config.json when present."""
   prog = "python -m fp4jax.experiments.report"
+  if any(a in ("-h", "--help") for a in argv[1:]):
+    print(_USAGE)
+    return 0
   try:
     if len(argv) < 2:
       raise errors.UserError(_USAGE)
