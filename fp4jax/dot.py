@@ -12,8 +12,9 @@ multiplies them with float32 accumulation, through a backend
 `native` runs one block-scaled GEMM on the real FP4/FP8 arrays; a GEMM the
 chosen backend cannot take runs on `xla`). Float32 per-tensor factors (NVFP4
 global scale, the 4/3 of stochastic_dither) are applied to the float32
-output, as hardware does in its epilogue; a GEMM with a per-tensor FP8
-operand computes in float32, since its scale is part of the values.
+output, as hardware does in its epilogue; per-tensor FP8 operands carry their
+scale in their values, in the input's dtype (a bf16 model's FP8 GEMMs run in
+bf16 with float32 accumulation).
 
 Several contraction axes (DenseGeneral, Wgrad over batch x sequence) are
 blocked as one axis: the contraction axes, in dot_general order, flattened

@@ -301,3 +301,46 @@ def test_native_data_parallel_matches_xla_bitwise():
   got = grads(native_recipe("mxfp4-dh16"))
   assert got[1][0].sharding.spec == sharding.PartitionSpec("data")
   _assert_same_bits(jax.tree.leaves(got), jax.tree.leaves(grads(recipes.recipe("mxfp4-dh16"))))
+
+
+def _fp8_operands(dtype):
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_t(3, (512, 384)), dtype)
+  w = jnp.asarray(rng.standard_normal((384, 256)) * 0.05, dtype)
+  e4m3 = formats.QuantSpec("fp8_e4m3")
+  xla = backends.module("xla")
+  return [xla.quantize(v, e4m3, None, None, axis, None, jnp.bfloat16)
+          for v, axis in ((x, 1), (w, 0))], e4m3, x, w
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_fp8_values_are_fake_quantize_in_the_inputs_dtype(dtype):
+  (a, b), e4m3, x, w = _fp8_operands(dtype)
+  assert a.values.dtype == dtype and a.factor is None
+  np.testing.assert_array_equal(np.asarray(a.values, np.float32),
+                                np.asarray(formats.fake_quantize(x, e4m3, 1), np.float32))
+  q = formats.quantize(w, e4m3, 0)
+  assert backends.module("xla").from_qarray(q, dtype, jnp.bfloat16).values.dtype == dtype
+  np.testing.assert_array_equal(backends.module("xla").from_qarray(q, dtype, jnp.bfloat16).values,
+                                b.values)
+
+
+def test_xla_fp8_gemm_runs_in_bf16_and_differs_from_float32_by_round_off_only():
+  """bf16 FP8 operands take the bf16 GEMM (float32 accumulation): the same
+  products, summed in another order than a float32 GEMM's. The difference is
+  float32 round-off, and after rounding the output to bf16 it survives only
+  where the float32 value sits at a bf16 rounding tie."""
+  (a, b), _, _, _ = _fp8_operands(jnp.bfloat16)
+  xla = backends.module("xla")
+  dims = (((1,), (0,)), ((), ()))
+  text = jax.jit(lambda a, b: xla.matmul(a, b, dims, None, None)).lower(a, b).as_text()
+  assert "dot_general" in text and "bf16" in text.split("dot_general")[1].split("\n")[0]
+  got = np.asarray(jax.jit(lambda a, b: xla.matmul(a, b, dims, None, None))(a, b))
+  f32 = np.asarray(jax.jit(lambda u, v: jax.lax.dot_general(
+      u.astype(jnp.float32), v.astype(jnp.float32), dims, precision="highest"))(a.values, b.values))
+  exact = np.asarray(a.values, np.float64) @ np.asarray(b.values, np.float64)
+  bound = 384 * 2.0 ** -24 * (np.abs(np.asarray(a.values, np.float64))
+                              @ np.abs(np.asarray(b.values, np.float64)))
+  assert np.all(np.abs(got - exact) <= bound) and np.all(np.abs(f32 - exact) <= bound)
+  as_bf16 = lambda y: np.asarray(jnp.asarray(y).astype(jnp.bfloat16)).view(np.uint16)
+  assert (as_bf16(got) != as_bf16(f32)).mean() < 1e-3

@@ -7,8 +7,11 @@ plain MX), and the values are cast to the recipe's compute dtype. MX and NVFP4
 values (elements times E8M0 / E4M3 block scales) are exact in bf16; the
 factors are applied to the float32 GEMM output, as hardware applies them in
 its epilogue. Per-tensor FP8 values carry their float32 scale (there are no
-block scales) and bf16 would round them: they stay float32, and a GEMM with
-such an operand computes in float32.
+block scales) and stay in the input's dtype, as fake_quantize returns them
+(rounded to it: bf16 for a bf16 model, exact in float32 for a float32 one);
+the GEMM runs in the wider of its operands' dtypes, so bf16 FP8 operands take
+the bf16 GEMM, whose float32 accumulation may order its sums differently from
+a float32 GEMM's (the operand values are the same).
 """
 
 import dataclasses
@@ -41,7 +44,7 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
   if spec is None:
     return Operand(x.astype(compute_dtype), None)
   if spec.family == "fp8":
-    return Operand(formats.fake_quantize(x, spec, axis, key).astype(jnp.float32), None)
+    return Operand(formats.fake_quantize(x, spec, axis, key), None)
   values, factor = formats.fake_quantize_unscaled(x, spec, axis, key)
   return Operand(values.astype(compute_dtype), factor)
 
@@ -49,7 +52,7 @@ def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
 def from_qarray(q, dtype, compute_dtype):
   """See fp4jax.backends; returns the Operand `quantize` gives, bit for bit."""
   if q.spec.family == "fp8":
-    return Operand(q.dequantize(dtype).astype(jnp.float32), None)
+    return Operand(q.dequantize(dtype), None)
   values = dataclasses.replace(q, global_scale=None).dequantize(jnp.float32)
   return Operand(values.astype(compute_dtype), q.global_scale)
 
