@@ -369,7 +369,7 @@ def test_the_crossing_lines_split_the_paired_difference_at_the_mark():
   diff = np.array([[0.0, 0.01, 0.02, 0.05, 0.07], [0.0, 0.03, 0.02, 0.07, 0.09]])
   lines = horizon.crossing_lines({"A1": 750, "A2": None}, {"C1 = A1 - A2": (steps, diff)},
                                  {"C1 = A1 - A2": 750})
-  assert "A1 at step 750, A2 never" in lines[0]
+  assert "A1 at step 750, A2 never" in lines[0] and "median" in lines[0]
   assert lines[1] == ("- C1 = A1 - A2: mean paired difference before step 750 +0.0200 "
                       "(2 evaluations), from it on +0.0700 (2 evaluations) (contrasts.png: "
                       "dashed line).")

@@ -105,8 +105,9 @@ def crossing_lines(crossings, curves, marks) -> list[str]:
   evaluations before and from its mark (its arms' earliest crossing)."""
   shown = ", ".join(f"{a} {'never' if s is None else f'at step {s}'}"
                     for a, s in crossings.items())
-  lines = [f"- Exploratory (not declared): the first step where Wgrad snr_true (geometric "
-           f"mean over layers and seeds) falls below sqrt(3): {shown}."]
+  lines = [f"- Exploratory (not declared): the first diagnostic window where Wgrad snr_true "
+           f"(median over layers, seeds and the window's steps) is below sqrt(3): {shown}. "
+           "It is located no finer than the diagnostics' spacing."]
   for label, (steps, diff) in curves.items():
     cross = marks.get(label)
     if cross is None:
