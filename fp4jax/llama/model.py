@@ -313,6 +313,14 @@ def _dot_cls(recipe, cfg, switch_wgrad_to=None, wgrad_switched=None):
                            switch_wgrad_to=switch_wgrad_to, wgrad_switched=wgrad_switched)
 
 
+def _linear_maker(module, wgrad_switched):
+  """name -> the linear layer `name` of an Attention or Mlp `module` (its config,
+  recipe and switch_wgrad_to), created in that module."""
+  cfg = module.config
+  dot_cls = _dot_cls(module.recipe, cfg, module.switch_wgrad_to, wgrad_switched)
+  return lambda name: _linear(name, cfg, dot_cls, jnp.dtype(cfg.dtype))
+
+
 def _constrain(x, *names):
   """Logical sharding constraint; batch and length axes are always the first two."""
   return nn.with_logical_constraint(x, ("activation_batch", "activation_length") + names)
@@ -327,11 +335,10 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, wgrad_switched=None):
     cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
-    q_BxLxHxD = _linear("attn/q", cfg, dot_cls, dtype)(x_BxLxD)
-    k_BxLxKxD = _linear("attn/k", cfg, dot_cls, dtype)(x_BxLxD)
-    v_BxLxKxD = _linear("attn/v", cfg, dot_cls, dtype)(x_BxLxD)
+    linear = _linear_maker(self, wgrad_switched)
+    q_BxLxHxD = linear("attn/q")(x_BxLxD)
+    k_BxLxKxD = linear("attn/k")(x_BxLxD)
+    v_BxLxKxD = linear("attn/v")(x_BxLxD)
     q_BxLxHxD = _constrain(q_BxLxHxD, "activation_heads", None)
     k_BxLxKxD = _constrain(k_BxLxKxD, "activation_kv_heads", None)
     v_BxLxKxD = _constrain(v_BxLxKxD, "activation_kv_heads", None)
@@ -352,7 +359,7 @@ class Attention(nn.Module):
         qk_dot, pv_dot = (_dot_cls(self.recipe, cfg)(name=n) for n in ("qk", "pv"))
       y_BxLxHxD = _causal_gqa(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, qk_dot, pv_dot)
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
-    return _linear("attn/o", cfg, dot_cls, dtype)(y_BxLxHxD)
+    return linear("attn/o")(y_BxLxHxD)
 
 
 def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
@@ -392,14 +399,12 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD, wgrad_switched=None):
-    cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    dot_cls = _dot_cls(self.recipe, cfg, self.switch_wgrad_to, wgrad_switched)
-    gate_BxLxF = _linear("mlp/gate", cfg, dot_cls, dtype)(x_BxLxD)
-    up_BxLxF = _linear("mlp/up", cfg, dot_cls, dtype)(x_BxLxD)
+    linear = _linear_maker(self, wgrad_switched)
+    gate_BxLxF = linear("mlp/gate")(x_BxLxD)
+    up_BxLxF = linear("mlp/up")(x_BxLxD)
     h_BxLxF = recomputed(_swiglu)(gate_BxLxF, up_BxLxF)
     h_BxLxF = _constrain(h_BxLxF, "activation_mlp")
-    return _linear("mlp/down", cfg, dot_cls, dtype)(h_BxLxF)
+    return linear("mlp/down")(h_BxLxF)
 
 
 class Block(nn.Module):
