@@ -319,10 +319,9 @@ def test_xla_fp8_values_are_fake_quantize_in_the_inputs_dtype(dtype):
   assert a.values.dtype == dtype and a.factor is None
   np.testing.assert_array_equal(np.asarray(a.values, np.float32),
                                 np.asarray(formats.fake_quantize(x, e4m3, 1), np.float32))
-  q = formats.quantize(w, e4m3, 0)
-  assert backends.module("xla").from_qarray(q, dtype, jnp.bfloat16).values.dtype == dtype
-  np.testing.assert_array_equal(backends.module("xla").from_qarray(q, dtype, jnp.bfloat16).values,
-                                b.values)
+  saved = backends.module("xla").from_qarray(formats.quantize(w, e4m3, 0), dtype, jnp.bfloat16)
+  assert saved.values.dtype == dtype
+  np.testing.assert_array_equal(saved.values, b.values)
 
 
 def test_xla_fp8_gemm_runs_in_bf16_and_differs_from_float32_by_round_off_only():

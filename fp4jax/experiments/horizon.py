@@ -12,9 +12,10 @@ is the report's (fp4jax.experiments.report, .verdicts). Its second family:
              spread over ln(hi / lo)).
 `operand_errors` gives an arm's Wgrad operand errors: the validity rule of a
 contrast for "variation in time" needs its two arms at the same error size.
-`snr_crossing` gives the first step where an arm's Wgrad snr_true falls below
-sqrt(3) (exploratory: not a declared statistic); the section marks it on each
-contrast's figure and compares the paired difference before and after it.
+`snr_crossing` gives the first diagnostic window where an arm's Wgrad
+snr_true (median) falls below sqrt(3) (exploratory: not a declared statistic);
+the section marks it on each contrast's figure and compares the paired
+difference before and after it.
 
 E2 (`stress_outcome`, from a run's metrics.jsonl rows, logged every step):
 the step of the first non-finite training loss, the count of skipped steps,
@@ -58,15 +59,23 @@ def growth(steps_T, loss_T, lo, hi):
   return inference.log_slope(steps_T[keep], loss_T[keep], lo / steps_T[keep][-1])
 
 
+def _diag_points(runs, role, stats_, source="train"):
+  """(stat, step, value) of every logged diagnostic of `role` named in
+  `stats_`, over the runs' measured layers and steps."""
+  for run in runs:
+    for key, (steps, values) in plots.diag_series(run.rows).items():
+      src, _, r, stat = plots.parse_key(key)
+      if (src, r) == (source, role) and stat in stats_:
+        yield from ((stat, step, value) for step, value in zip(steps.tolist(), values.tolist()))
+
+
 def operand_errors(runs_of_arm, role="wgrad", source="train"):
   """{"lhs_err": mean, "rhs_err": mean} of a role's operand errors over an
   arm's runs, measured layers and steps (nan when not measured)."""
   values = {"lhs_err": [], "rhs_err": []}
-  for run in runs_of_arm:
-    for key, (_, v) in plots.diag_series(run.rows).items():
-      src, _, r, stat = plots.parse_key(key)
-      if (src, r) == (source, role) and stat in values:
-        values[stat].extend(v[np.isfinite(v)])
+  for stat, _, value in _diag_points(runs_of_arm, role, values, source):
+    if math.isfinite(value):
+      values[stat].append(value)
   return {k: float(np.mean(v)) if v else math.nan for k, v in values.items()}
 
 
@@ -81,12 +90,8 @@ def snr_crossing(runs_of_arm, threshold=diagnostics.SNR_THRESHOLD, role="wgrad")
   consecutive steps) is below `threshold`; None if never or not measured. A
   median, because single values are often clipped to 0."""
   by_step = {}
-  for run in runs_of_arm:
-    for key, (steps, values) in plots.diag_series(run.rows).items():
-      source, _, r, stat = plots.parse_key(key)
-      if (source, r, stat) == ("train", role, "snr_true"):
-        for step, value in zip(steps.tolist(), values.tolist()):
-          by_step.setdefault(step, []).append(value)
+  for _, step, value in _diag_points(runs_of_arm, role, ("snr_true",)):
+    by_step.setdefault(step, []).append(value)
   windows = []
   for step in sorted(by_step):
     if windows and step == windows[-1][-1] + 1:
@@ -169,7 +174,8 @@ def growth_section(workdir, path=None) -> list[str]:
   results = verdicts.evaluate(decl, values, smallest_growth)
   curves = contrast_curves(runs, decl)
   crossings = {arm: snr_crossing(rs) for arm, rs in runs.items()}
-  marks = {c.label: min((crossings[a] for a in c.weights if crossings.get(a) is not None), default=None)
+  marks = {c.label: min((crossings[a] for a in c.weights if crossings.get(a) is not None),
+                        default=None)
            for claim in decl.claims for c in claim.contrasts}
   plots.plot_contrasts(os.path.join(workdir, "contrasts.png"), curves, marks)
   state = declaration_lib.status(workdir, path)
