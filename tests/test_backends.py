@@ -343,3 +343,13 @@ def test_xla_fp8_gemm_runs_in_bf16_and_differs_from_float32_by_round_off_only():
   assert np.all(np.abs(got - exact) <= bound) and np.all(np.abs(f32 - exact) <= bound)
   as_bf16 = lambda y: np.asarray(jnp.asarray(y).astype(jnp.bfloat16)).view(np.uint16)
   assert (as_bf16(got) != as_bf16(f32)).mean() < 1e-3
+
+
+def test_gemm_dtype_bench_measures_bf16_rounding_ties():
+  """fp4jax.bench.gemm_dtype's difference fraction: 0 where both GEMMs are exact
+  (K = 1: one product of two bf16 values, exact in float32), above 0 and below
+  10^-3 on Gaussian operands at K = 384 (262,144 outputs)."""
+  from fp4jax.bench import gemm_dtype  # pylint: disable=g-import-not-at-top
+  exact = gemm_dtype.measure(64, 1, 64, 1)[2]
+  gaussian = gemm_dtype.measure(1024, 384, 256, 1)[2]
+  assert exact == 0.0 and 0.0 < gaussian < 1e-3, (exact, gaussian)

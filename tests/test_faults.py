@@ -390,5 +390,7 @@ def test_tool_clis(tmp_path):
   _user_error(rc, out, "unknown recipe 'mxfp5'")
   rc, out = run("dot_general", "--m", "0", module="fp4jax.bench")
   _user_error(rc, out, "--m", "must be >= 1")
+  rc, out = run("gemm_dtype", "--shapes", "1024x128", module="fp4jax.bench")
+  _user_error(rc, out, "--shapes", "'1024x128' is not MxKxN")
   rc, out = run("nope", module="fp4jax.bench")
   _user_error(rc, out, "unknown benchmark 'nope'")

@@ -1,0 +1,83 @@
+"""One GEMM on bf16 operands: bf16 x bf16 -> float32 against float32 x float32, time and bits.
+
+  python -m fp4jax.bench gemm_dtype [--shapes 1024x128x384,1024x384x128,128x1024x384]
+                                    [--repeats 50]
+
+Per shape M x K x N: jitted lax.dot_general of Gaussian bf16 X[M, K] and
+W[K, N] (seed 0) with float32 accumulation, once on the bf16 operands and once
+on their (exact) float32 casts: the same products, summed in an order each
+GEMM chooses. Printed: the fastest of `--repeats` round-robin calls of each,
+their ratio, and the fraction of output elements whose bf16 roundings differ
+(the float32 outputs differ only by round-off, so this counts bf16 rounding
+ties). This is the difference between a bf16 model's FP8 GEMMs in bf16 and in
+float32 (docs/numerics.md).
+"""
+
+import argparse
+import os
+import time
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from fp4jax.bench import positive_int
+
+_DIMS = (((1,), (0,)), ((), ()))
+
+
+def shape_list(text):
+  """argparse type: comma-separated MxKxN triples of positive ints."""
+  shapes = []
+  for item in text.split(","):
+    parts = item.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise argparse.ArgumentTypeError(f"{item!r} is not MxKxN (three positive integers)")
+    shapes.append(tuple(int(p) for p in parts))
+  return shapes
+
+
+def parser():
+  p = argparse.ArgumentParser(prog="python -m fp4jax.bench gemm_dtype",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--shapes", type=shape_list,
+                 default=shape_list("1024x128x384,1024x384x128,128x1024x384"))
+  p.add_argument("--repeats", type=positive_int, default=50)
+  return p
+
+
+def _gemm(dtype):
+  return jax.jit(lambda x, w: lax.dot_general(x.astype(dtype), w.astype(dtype), _DIMS,
+                                              preferred_element_type=jnp.float32))
+
+
+def measure(m, k, n, repeats):
+  """(bf16 seconds, float32 seconds, fraction of bf16-rounded outputs that differ)."""
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  w = jax.random.normal(kw, (k, n), jnp.bfloat16)
+  fns = {"bf16": _gemm(jnp.bfloat16), "f32": _gemm(jnp.float32)}
+  outs = {name: jax.block_until_ready(f(x, w)) for name, f in fns.items()}
+  best = dict.fromkeys(fns, float("inf"))
+  for _ in range(repeats):
+    for name, f in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(f(x, w))
+      best[name] = min(best[name], time.perf_counter() - start)
+  rounded = {name: np.asarray(y.astype(jnp.bfloat16)) for name, y in outs.items()}
+  differ = float(np.mean(rounded["bf16"] != rounded["f32"]))
+  return best["bf16"], best["f32"], differ
+
+
+def main(argv):
+  args = parser().parse_args(argv)
+  load = os.getloadavg()
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, load average "
+        f"{load[0]:.1f}; fastest of {args.repeats} calls")
+  print("| M x K x N | bf16 x bf16 (us) | f32 x f32 (us) | f32 / bf16 | bf16 outputs differing |")
+  print("|---|---|---|---|---|")
+  for m, k, n in args.shapes:
+    t_bf16, t_f32, differ = measure(m, k, n, args.repeats)
+    print(f"| {m} x {k} x {n} | {t_bf16 * 1e6:,.0f} | {t_f32 * 1e6:,.0f} | "
+          f"{t_f32 / t_bf16:.2f} | {differ:.1e} |")
