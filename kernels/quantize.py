@@ -56,11 +56,14 @@ def _pow2_at_least(n):
 def _rotate_tile(x, m, h, blk_axis):
   """hadamard.rotate of a 2-D tile along blk_axis by the [h, h] matrix m.
 
-  Written as one 2-D float32 dot (what Triton lowers), with hadamard.rotate's
-  precision and its cast back to x's dtype.
+  Written as one 2-D dot (what Triton lowers) with float32 accumulation, with
+  hadamard.rotate's operand dtype (hadamard.matmul_dtype), precision and cast
+  back to x's dtype.
   """
-  xf = x.astype(jnp.float32)
-  dot = functools.partial(jnp.dot, precision=lax.Precision.HIGHEST)
+  mdt = hadamard.matmul_dtype(x.dtype, h)
+  xf, m = x.astype(mdt), m.astype(mdt)
+  dot = functools.partial(jnp.dot, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
   if blk_axis == 1:
     y = dot(xf.reshape(-1, h), m).reshape(x.shape)
   else:  # [n, cols] -> [n / h, cols, h]: each column's h-vectors as rows

@@ -5,9 +5,20 @@ along `axis` by x_blk @ diag(signs) @ H_block (H orthonormal Sylvester, so
 symmetric and its own inverse). The inverse is unrotate: y_blk @ H @
 diag(signs), i.e. rotate with signs=None, then multiply each block by the
 signs. Cost: one (block x block) matmul per block, i.e. `block` multiply-adds
-per element (16 for H16), in float32, returned in x's dtype. Along the last
-axis it is x[..., n/block, block] @ M; along any other axis a batched
-M^T @ x[p, block, rest] (M broadcast over the batch), so no axis moves.
+per element (16 for H16), accumulated in float32, returned in x's dtype.
+Along the last axis it is x[..., n/block, block] @ M; along any other axis a
+batched M^T @ x[p, block, rest] (M broadcast over the batch), so no axis moves.
+
+The matmul's operands (`matmul_dtype`) are bfloat16 when x is bfloat16 and
+1/sqrt(block) is a power of two (block 4, 16, 64, 256: every entry of
+diag(signs) @ H is +-2^-k, exact in bfloat16; a CPU with bfloat16 matrix
+units runs that matmul faster), float32 otherwise. Either way every product
+is exact in float32 and only the order of the float32 sums is the compiler's:
+where a block's nonzero products span at most 12 binades every partial sum
+is exact, so the result is the exact rotation rounded once to x's dtype
+whatever the order; beyond that two orders can differ in the last float32
+bit, which moves the rounded result only at a rounding tie
+(tests/test_hadamard.py measures how often).
 
 Sign policies (`policy_signs`), the meanings "random Hadamard" has in use:
 "none" (plain Sylvester), "fixed" (one vector from a seed, as NVIDIA
@@ -86,6 +97,12 @@ def _matrix(block, signs, inverse):
   return h * signs[None, :] if inverse else signs[:, None] * h
 
 
+def matmul_dtype(dtype, block: int):
+  """The operand dtype of the rotation matmul of a `dtype` array (module docstring)."""
+  power_of_four = block.bit_length() % 2 == 1  # 1/sqrt(block) = 2^-k
+  return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and power_of_four else jnp.float32
+
+
 def _apply(x, m, block, axis):
   """Multiplies each block along `axis` by m, without moving axes."""
   dtype = jnp.result_type(x)
@@ -98,17 +115,23 @@ def _apply(x, m, block, axis):
   if n % block:
     raise ValueError(f"axis {axis} has length {n}, not a multiple of the "
                      f"Hadamard block {block}")
-  xf = x.astype(jnp.float32)
-  hi = lax.Precision.HIGHEST
+  mdt = matmul_dtype(dtype, block)
+  xm, m = x.astype(mdt), m.astype(mdt)
+  hi, f32 = lax.Precision.HIGHEST, jnp.float32
   if axis == x.ndim - 1:
-    y = jnp.matmul(xf.reshape(x.shape[:-1] + (n // block, block)), m,
-                   precision=hi)
+    y = jnp.matmul(xm.reshape(x.shape[:-1] + (n // block, block)), m,
+                   precision=hi, preferred_element_type=f32)
   else:
     # [P, block, R] with batch P: out[p] = m^T @ x[p], layout kept.
     p = int(np.prod(x.shape[:axis])) * (n // block)
-    xr = xf.reshape(p, block, -1)
+    xr = xm.reshape(p, block, -1)
     mt = jnp.broadcast_to(m.T, (p, block, block))
-    y = lax.dot_general(mt, xr, (((2,), (1,)), ((0,), (0,))), precision=hi)
+    y = lax.dot_general(mt, xr, (((2,), (1,)), ((0,), (0,))), precision=hi,
+                        preferred_element_type=f32)
+  if mdt != f32:
+    # XLA:CPU (jax 0.10.2) fails on a bf16 x bf16 -> f32 dot that gets a later
+    # transpose folded into it ("Unsupported element type for DotThunk").
+    y = lax.optimization_barrier(y)
   return y.reshape(x.shape).astype(x.dtype)
 
 
