@@ -1,17 +1,18 @@
 """The reference backend: jnp fake quantization, then one GEMM in the compute dtype.
 
-An operand is rotated and fake-quantized in float32 (fp4jax.numerics.operand,
-fp4jax.numerics.formats), split into its block-dequantized values and its float32
-per-tensor factor (NVFP4's global scale, stochastic_dither's 4/3; None for
-plain MX), and the values are cast to the recipe's compute dtype. MX and NVFP4
-values (elements times E8M0 / E4M3 block scales) are exact in bf16; the
-factors are applied to the float32 GEMM output, as hardware applies them in
-its epilogue. Per-tensor FP8 values carry their float32 scale (there are no
-block scales) and stay in the input's dtype, as fake_quantize returns them
-(rounded to it: bf16 for a bf16 model, exact in float32 for a float32 one);
-the GEMM runs in the wider of its operands' dtypes, so bf16 FP8 operands take
-the bf16 GEMM, whose float32 accumulation may order its sums differently from
-a float32 GEMM's (the operand values are the same).
+An operand, as stored, is rotated (float32 accumulation, result in its dtype)
+and fake-quantized in float32 (fp4jax.numerics.operand,
+fp4jax.numerics.formats), split into its block-dequantized values and its
+float32 per-tensor factor (NVFP4's global scale, stochastic_dither's 4/3; None
+for plain MX), and the values are cast to the recipe's compute dtype. MX and
+NVFP4 values (elements times E8M0 / E4M3 block scales) are exact in bf16; the
+factors are applied to the float32 GEMM output, as hardware applies them in its
+epilogue. Per-tensor FP8 values carry their float32 scale (there are no block
+scales) and stay in the input's dtype, as fake_quantize returns them (rounded to
+it: bf16 for a bf16 model, exact in float32 for a float32 one); the GEMM runs in
+the wider of its operands' dtypes, so bf16 FP8 operands take the bf16 GEMM,
+whose float32 accumulation may order its sums differently from a float32 GEMM's
+(the operand values are the same).
 """
 
 import dataclasses
