@@ -353,6 +353,15 @@ def _snr_run(seed, values_by_step):
   return report.Run("A1", seed, "", rows, np.zeros(0), np.zeros(0), "completed", 0, None)
 
 
+def test_the_snr_figure_takes_the_median_over_seeds():
+  """One seed's snr_true clipped to 0 leaves the median (a geometric mean would be 0)."""
+  runs = {"A1": [_snr_run(0, {1: 0.0, 2: 4.0}), _snr_run(1, {1: 2.0, 2: 1.0}),
+                 _snr_run(2, {1: 3.0, 2: 8.0})]}
+  steps, values = report.snr_series(runs)["A1"][("block_0/attn/q", "wgrad", "snr_true")]
+  np.testing.assert_array_equal(steps, [1, 2])
+  np.testing.assert_array_equal(values, [2.0, 4.0])
+
+
 def test_the_snr_crossing_is_the_first_window_whose_median_is_below_sqrt3():
   # Windows (1, 2), (250-252), (500-502); layer values v and 2v, two seeds.
   high = {1: 5.0, 2: 5.0, 250: 2.0, 251: 0.0, 252: 2.0, 500: 0.5, 501: 0.6, 502: 0.0}

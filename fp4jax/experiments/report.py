@@ -388,7 +388,8 @@ def estimates_section(runs, baseline="fp8", late_from=0.5):
 
 
 def snr_series(runs, stats_=SNR_STATS):
-  """{recipe: {(layer, role, stat): (steps, values)}}: training-batch SNRs, geometric mean over seeds."""
+  """{recipe: {(layer, role, stat): (steps, values)}}: training-batch SNRs, median over seeds
+  (a single snr_true is often clipped to 0, which would make a geometric mean 0)."""
   out = {}
   for recipe, rs in runs.items():
     per = {}
@@ -401,9 +402,8 @@ def snr_series(runs, stats_=SNR_STATS):
     for name, dicts in per.items():
       common = sorted(set.intersection(*(set(d) for d in dicts)))
       if common:
-        with np.errstate(divide="ignore", invalid="ignore"):
-          series[name] = (np.array(common, np.float64), np.exp(
-              [np.mean(np.log([d[s] for d in dicts])) for s in common]))
+        series[name] = (np.array(common, np.float64),
+                        np.median([[d[s] for d in dicts] for s in common], axis=1))
     if series:
       out[recipe] = series
   return out
