@@ -50,10 +50,15 @@
 # The device call (carry the wheels; 500 s of stages + start-up < 570 s):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570)
 # CPU dry run (tiny sizes, CPU backend, every stage; a few minutes on 2 cores):
-#   DRY_RUN=1 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh
+#   DRY_RUN=1 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   (run from the repository root)
 set -uo pipefail
 DRY_RUN=${DRY_RUN:-0}
 PY=${PYTHON:-python3}
+[[ $PY == */* && $PY != /* ]] && PY=$(pwd)/$PY  # the stages run in other folders
+if ! "$PY" -c "import jax" 2>/dev/null; then
+  echo "gpu_check: PYTHON=$PY cannot run or cannot import jax (give an interpreter with jax installed)" >&2
+  exit 2
+fi
 OUT=${OUT:-/tmp/fp4jax_gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/fp4jax_gpu_check_work}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-500}

@@ -10,6 +10,7 @@ trip through the saved reference file.
 import json
 import math
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -196,3 +197,13 @@ def test_train_config_is_trimmed():
   full = train_speed.run_config(cli.load_config_file("configs/ablation_gpu.py"),
                                 "bf16", "xla", 20)
   assert (full.model.name, full.batch_size, full.seq_len) == ("llama-125m", 32, 1024)
+
+
+def test_a_python_that_cannot_import_jax_stops_the_check_with_exit_2(tmp_path):
+  """Before any stage runs (the stages would each fail and the check exit 0)."""
+  env = dict(os.environ, DRY_RUN="1", PYTHON=str(tmp_path / "nope" / "python"),
+             OUT=str(tmp_path / "out"), GPU_CHECK_WORK=str(tmp_path / "work"))
+  done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], env=env, capture_output=True,
+                        text=True, check=False)
+  assert done.returncode == 2, done.stdout + done.stderr
+  assert done.stderr.count("\n") == 1 and "cannot import jax" in done.stderr, done.stderr
