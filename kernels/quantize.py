@@ -98,7 +98,7 @@ def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
   inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
   if has_bits:
     bits = bits.reshape(blocks_shape)
-  q = formats.round_to_element(xb * inv, spec, bits)
+  q = formats.round_to_element(xb * inv, spec, bits, elements.round_half_even_by_floor)
   if not packed:
     (y_ref,) = refs
     y_ref[...] = (q * scales_lib.exp2(e)).reshape(shape).astype(y_ref.dtype)

@@ -102,3 +102,22 @@ def test_round_half_even_matches_jnp_round():
   np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)],
                                 want.view(np.uint32)[~np.isnan(want)])
   assert np.isnan(got[np.isnan(want)]).all()
+
+
+def test_round_half_even_implementations_agree():
+  """lax.round's nearest-even (XLA paths) and the floor-and-compare form (the
+  Pallas kernels) give the same float32 bits on ties, near-ties, signed zeros,
+  the largest integers below 2^23, huge values, Inf and NaN."""
+  from fp4jax.numerics import elements
+  k = np.arange(-4096, 4097, dtype=np.float32)
+  ties = k / 2
+  near = np.concatenate([np.nextafter(ties, np.float32(np.inf)),
+                         np.nextafter(ties, np.float32(-np.inf))])
+  big = np.float32(2.0**23) - np.arange(4, dtype=np.float32)
+  specials = np.array([0.0, -0.0, 1e-40, -1e-40, 3e38, -3e38, np.inf, -np.inf, np.nan,
+                       -np.nan], np.float32)
+  t = jnp.asarray(np.concatenate([ties, near, big, -big, specials]))
+  fast = np.asarray(jax.jit(elements.round_half_even)(t)).view(np.uint32)
+  floor = np.asarray(jax.jit(elements.round_half_even_by_floor)(t)).view(np.uint32)
+  np.testing.assert_array_equal(fast, floor)
+  assert float(jax.jit(elements.round_half_even)(jnp.float32(2.5))) == 2.0

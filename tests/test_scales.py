@@ -4,6 +4,8 @@ Codes are biased exponents (0x7F = 2^0, 0xFF = NaN), worked out by hand from
 the definitions in research.md.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +121,46 @@ def test_subnormal_inputs():
     np.testing.assert_array_equal(y, 0.0)
   else:
     np.testing.assert_allclose(y, np.asarray(x), rtol=2**-2)
+
+
+def _special_blocks(dtype, rng):
+  """float32 [64, 96] of `dtype`'s values: ordinary normals, then per block of
+  32 along axis 1 (and, transposed, along axis 0) a NaN, an Inf, all zeros, FP32
+  and bf16 subnormals, values straddling 2^-126 and the dtype's largest
+  finite value, each in a different block."""
+  x = rng.standard_normal((64, 96)) * np.exp(3 * rng.standard_normal((64, 96)))
+  tiny = float(np.finfo(np.float32).tiny)  # 2^-126
+  specials = [np.nan, -np.inf, 0.0, 1e-40, -2.0**-133, tiny, -np.nextafter(tiny, 0),
+              float(jnp.finfo(dtype).max)]
+  for row, value in enumerate(specials):
+    x[row, 5] = value
+    x[row, 40:64] = 0.0 if value == 0.0 else x[row, 40:64]
+  x[2, :32] = 0.0  # the zero block
+  x[3, :32] = 1e-40  # a block of FP32 subnormals only
+  x[4, 32:64] = [2.0**-133] * 31 + [tiny]  # subnormals and 2^-126
+  return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3",
+                                 "mxfp8_e5m2"])
+def test_exponent_amax_gives_block_amax_exponents(fmt, dtype):
+  """The float amax the MX quantizer uses gives every block the exponent the
+  NaN-exact integer amax gives, under all four rules, blocks along the last
+  axis (the float max vectorizes) and along the first, with NaN, Inf, zero,
+  subnormal and largest-value blocks."""
+  x = _special_blocks(dtype, np.random.default_rng(1)).astype(jnp.float32)
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def both(x, axis):
+    xb, _ = formats._to_blocks(x, axis, 32)
+    return formats.exponent_amax(xb, axis + 1), formats.block_amax(xb, axis + 1)
+
+  for axis in (0, 1):
+    fast, exact = both(x, axis)
+    assert np.isnan(np.asarray(exact)).any()
+    for mode in formats.SCALE_MODES:
+      spec = formats.QuantSpec(fmt, scale_mode=mode)
+      np.testing.assert_array_equal(np.asarray(scales.block_exponent(fast, spec)),
+                                    np.asarray(scales.block_exponent(exact, spec)),
+                                    err_msg=f"axis {axis}, {mode}")

@@ -51,11 +51,14 @@ def _pow2(biased_exp):
 
 
 def round_half_even(t):
-  """Rounds float32 `t` to the nearest integer, ties to even, keeping -0.
+  """Rounds float32 `t` to the nearest integer, ties to even, keeping -0 (one
+  round-to-nearest-even instruction where the CPU has one)."""
+  return lax.round(t, lax.RoundingMethod.TO_NEAREST_EVEN)
 
-  Written with floor and compares because Pallas' Triton lowering has no
-  `round`; bit-identical to jnp.round on XLA.
-  """
+
+def round_half_even_by_floor(t):
+  """round_half_even written with floor and compares, for Pallas' Triton
+  lowering, which has no `round`; bit-identical to round_half_even."""
   fl = jnp.floor(t)
   frac = t - fl
   odd = fl - 2.0 * jnp.floor(fl * 0.5)
@@ -66,10 +69,12 @@ def round_half_even(t):
       lax.bitcast_convert_type(r, jnp.int32) | sign, jnp.float32)
 
 
-def round_element(v, elem: ElementFormat, random_bits=None):
+def round_element(v, elem: ElementFormat, random_bits=None, nearest=round_half_even):
   """Rounds float32 `v` onto `elem`'s grid, saturating at +-elem.max.
 
-  random_bits None: round to nearest, ties to even. Otherwise a uint32 array of
+  random_bits None: round to nearest, ties to even, with `nearest` (float32 ->
+  nearest integer, ties to even: round_half_even, or round_half_even_by_floor
+  inside a Triton kernel). Otherwise a uint32 array of
   v's shape: stochastic rounding, up with probability equal to the distance
   from the grid point below in ulps, drawn as u = (bits >> 8) / 2^24 < frac
   (unbiased whenever frac is a multiple of 2^-24, i.e. always in the normal
@@ -82,7 +87,7 @@ def round_element(v, elem: ElementFormat, random_bits=None):
   ulp = _pow2(exp_v - m)
   t = v * inv_ulp
   if random_bits is None:
-    r = round_half_even(t)
+    r = nearest(t)
   else:
     fl = jnp.floor(t)
     u = (random_bits >> 8).astype(jnp.int32).astype(jnp.float32) * 2.0**-24

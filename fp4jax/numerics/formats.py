@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp4jax.numerics import eden
+from fp4jax.numerics import elements
 from fp4jax.numerics import four_over_six
 from fp4jax.numerics import quest
 from fp4jax.numerics import scales as scales_lib
@@ -270,6 +271,21 @@ def block_amax(xb, axis):
                                   jnp.float32)
 
 
+def exponent_amax(xb, axis):
+  """max |x| over `axis` (an int), keepdims, as exact as an E8M0 shared
+  exponent needs: scales.block_exponent gives every block the exponent it gives
+  from block_amax. Along the last axis, where XLA:CPU's integer max runs
+  several times slower than its float max, a float max with NaN counted as
+  +Inf (the float max may drop NaN; a NaN and an Inf amax both give the NaN
+  scale; an amax below 2^-126 may come back as another such value or 0 where
+  subnormals are flushed, and every MX element format, emax >= 2, gives all of
+  them exponent -127); along any other axis block_amax itself."""
+  if axis != xb.ndim - 1:
+    return block_amax(xb, axis)
+  mag = jnp.abs(xb)
+  return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=axis, keepdims=True)
+
+
 def _recip(c):
   """float32 1/c. Constant divisors are written as this product because XLA
   rewrites x / c into x * (1/c) anyway; spelling it out keeps the definition
@@ -291,17 +307,21 @@ def _element_values(x, spec, axis, key):
   else:
     xb, n = _to_blocks(x, axis, block)
     red = axis + 1
-  amax = block_amax(xb, red)
   g = None
   four_six = spec.block_scale == "four_over_six"
   if spec.family == "mx":
     e = (quest.block_exponent(xb, red, spec) if spec.block_scale == "quest" else
-         block_exponent(amax, spec))
+         block_exponent(exponent_amax(xb, red), spec))
+    # XLA fuses the cheap integer work from amax to scale into the element
+    # pass and redoes it for every element; an integer division, which it does
+    # not duplicate that way, by a 1 it cannot fold (clz < 64) keeps it once per block.
+    e = lax.div(e, (lax.clz(e) >> 6) | 1)
     s = scales_lib.exp2(e)
     inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
     v = xb * inv
     stored = scales_lib.to_e8m0(e)
   elif spec.family == "nvfp4":
+    amax = block_amax(xb, red)
     finite = jnp.isfinite(amax)
     g_amax = jnp.max(jnp.where(finite, amax, 0.0))
     divisor, peak = {"four_over_six": (four_over_six.GLOBAL_DIVISOR, spec.element.max),
@@ -312,6 +332,7 @@ def _element_values(x, spec, axis, key):
     s, v = _nvfp4_scaled(xb, amax, finite, g, peak)
     stored = s.astype(jnp.float8_e4m3fn)
   else:  # fp8: float32 scale amax / max
+    amax = block_amax(xb, red)
     s = jnp.where(jnp.isfinite(amax), amax * _recip(spec.element.max), jnp.nan)
     v = xb / jnp.where(s == 0, jnp.inf, s)  # zero (or underflowed) scale -> 0
     stored = s
@@ -448,15 +469,17 @@ def fake_quantize_unscaled(x, spec: QuantSpec, axis: int = -1, key=None):
   return _block_dequantize(x, spec, axis, key)
 
 
-def round_to_element(x_scaled, spec: QuantSpec, random_bits=None):
+def round_to_element(x_scaled, spec: QuantSpec, random_bits=None,
+                     nearest=elements.round_half_even):
   """Rounds float32 values (already divided by their scale) onto the element
-  grid of `spec`: nearest-even, saturating; or, for random roundings,
-  stochastically from uint32 `random_bits` of the same shape."""
+  grid of `spec`: nearest-even (with `nearest`, see round_element), saturating;
+  or, for random roundings, stochastically from uint32 `random_bits` of the
+  same shape."""
   if spec.is_random != (random_bits is not None):
     raise ValueError(f"rounding={spec.rounding!r} "
                      + ("needs" if spec.is_random else "takes no")
                      + " random_bits")
-  return round_element(x_scaled, spec.element, random_bits)
+  return round_element(x_scaled, spec.element, random_bits, nearest)
 
 
 def pack_fp4(values, axis=-1):
