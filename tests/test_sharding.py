@@ -329,8 +329,13 @@ MESHES = ((8, 1, 1), (1, 4, 2), (2, 2, 2))
 # differs, attn.o by up to 1.6e-3 (far above round-off: MXFP4 roundings went
 # the other way), and at step 4 grad_norm differs by 1.24e-3 (loss 3.5e-4) on
 # 8x1x1 and 1x4x2, 8.5e-4 (loss 5.2e-4) on 2x2x2. With two layers: 3e-3 after
-# 4 steps.
+# 4 steps. The backward can do the same within one step: on a 2-core AMD EPYC
+# (AVX2, jax 0.10.2), step 4 restored from the 2x2x2 run's step-3 checkpoint
+# onto one device gives the same loss but a grad_norm 1.8e-5 apart (relative;
+# at most 3e-7 on the machine of the figures above), so a gradient on the same
+# parameters gets RTOL_SAME_GRAD.
 RTOL_SAME = 1e-5
+RTOL_SAME_GRAD = {"bf16": 1e-5, "mxfp4-dh16": 1e-4}
 RTOL_LATER = {"bf16": 1e-5, "mxfp4-dh16": 5e-3}
 
 
@@ -405,8 +410,9 @@ def test_checkpoint_restores_on_another_mesh(src, dst, tmp_path):
   with open(tmp_path / "summary.json") as f:
     assert json.load(f)["resumed_from_step"] == 3
   assert sorted(got) == [4]
-  # Step 4's loss is computed on the restored parameters: as on `src`.
-  _assert_close(got, src_metrics, 4, RTOL_SAME)
+  # Step 4's loss and gradient are computed on the restored parameters: as on `src`.
+  _assert_close(got, src_metrics, 4, RTOL_SAME, keys=("loss",))
+  _assert_close(got, src_metrics, 4, RTOL_SAME_GRAD[recipe], keys=("grad_norm",))
   # The evaluation after its update also uses the restored Adam moments.
   _assert_close(got, src_metrics, 4, RTOL_LATER[recipe], keys=("eval_loss",))
   assert _expected_layout(layout, dst) == 3 * (3 + 9 * sharded_runs.N_LAYERS)
