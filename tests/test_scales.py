@@ -124,20 +124,19 @@ def test_subnormal_inputs():
 
 
 def _special_blocks(dtype, rng):
-  """float32 [64, 96] of `dtype`'s values: ordinary normals, then per block of
-  32 along axis 1 (and, transposed, along axis 0) a NaN, an Inf, all zeros, FP32
-  and bf16 subnormals, values straddling 2^-126 and the dtype's largest
-  finite value, each in a different block."""
+  """float32 [64, 96] holding `dtype` values: heavy-tailed normals, one special
+  value in each of rows 0-7 (NaN, -Inf, 0, FP32 subnormal, bf16 subnormal,
+  2^-126, just below 2^-126, the dtype's largest value), a zero block, a block
+  of FP32 subnormals and one of subnormals topped by 2^-126 (blocks of 32 along
+  axis 1; along axis 0 the special rows share a block)."""
   x = rng.standard_normal((64, 96)) * np.exp(3 * rng.standard_normal((64, 96)))
   tiny = float(np.finfo(np.float32).tiny)  # 2^-126
   specials = [np.nan, -np.inf, 0.0, 1e-40, -2.0**-133, tiny, -np.nextafter(tiny, 0),
               float(jnp.finfo(dtype).max)]
-  for row, value in enumerate(specials):
-    x[row, 5] = value
-    x[row, 40:64] = 0.0 if value == 0.0 else x[row, 40:64]
-  x[2, :32] = 0.0  # the zero block
-  x[3, :32] = 1e-40  # a block of FP32 subnormals only
-  x[4, 32:64] = [2.0**-133] * 31 + [tiny]  # subnormals and 2^-126
+  x[:len(specials), 5] = specials
+  x[2, :32] = 0.0
+  x[3, :32] = 1e-40
+  x[4, 32:64] = [2.0**-133] * 31 + [tiny]
   return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
