@@ -5,6 +5,7 @@ the definitions in research.md.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -163,3 +164,47 @@ def test_exponent_amax_gives_block_amax_exponents(fmt, dtype):
       np.testing.assert_array_equal(np.asarray(scales.block_exponent(fast, spec)),
                                     np.asarray(scales.block_exponent(exact, spec)),
                                     err_msg=f"axis {axis}, {mode}")
+
+
+def test_per_block_returns_its_input_bit_for_bit():
+  """formats.per_block is the identity on every float32 bit pattern class:
+  signed zeros, subnormals, normals, the extremes, Inf and NaN payloads."""
+  bits = np.array([0, 0x80000000, 1, 0x807FFFFF, 0x00800000, 0x3F800000, 0xBF800000,
+                   0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000,
+                   0xFFC00001, 0x7F800001], np.uint32)
+  x = bits.view(np.float32).reshape(2, 7)
+  got = np.asarray(jax.jit(formats.per_block)(jnp.asarray(x)))
+  np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
+
+
+def _per_block_ops_in_element_pass(fmt, axis, shape=(256, 384)):
+  """Instructions of smaller-than-element shape (other than broadcasts,
+  bitcasts, reshapes, constants, parameters) inside the fusion that writes the
+  [256, 384] fake-quantized values, in XLA's optimized CPU HLO."""
+  spec = formats.QuantSpec(fmt)
+  f = jax.jit(lambda v: formats.fake_quantize_unscaled(v, spec, axis)[0].astype(jnp.bfloat16))
+  hlo = f.lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text()
+  size = lambda dims: int(np.prod([int(d) for d in dims.split(",") if d]))
+  n, found, passes = int(np.prod(shape)), [], 0
+  for comp in re.finditer(r"^%?[\w.\-]+ \([^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S):
+    root = re.search(r"ROOT %[\w.\-]+ = \w+\[([\d,]*)\]", comp.group(1))
+    if root is None or size(root.group(1)) != n:
+      continue
+    passes += 1
+    for dims, op in re.findall(r"%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", comp.group(1)):
+      if op not in ("parameter", "constant", "bitcast", "broadcast", "reshape") and (
+          1 < size(dims) < n):
+        found.append(op)
+  assert passes >= 1, "no fusion writes the quantized values"
+  return found
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's fusion")
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_block_scales_are_computed_once_per_block(fmt, axis):
+  """Speed, not bits: the element pass reads each block's scale and inverse
+  scale; the work from exponent (or amax) to scale stays outside it
+  (formats.per_block), where XLA:CPU would otherwise redo it per element. The
+  bit reinterpretation of the per-block result may remain inside."""
+  assert set(_per_block_ops_in_element_pass(fmt, axis)) <= {"bitcast-convert"}

@@ -286,6 +286,18 @@ def exponent_amax(xb, axis):
   return jnp.max(jnp.where(jnp.isnan(mag), jnp.inf, mag), axis=axis, keepdims=True)
 
 
+def per_block(values):
+  """float32 `values`, unchanged, computed once per block.
+
+  XLA:CPU fuses cheap per-block work (exponent to scale) into the element pass
+  that broadcasts it and redoes it for every element (lax.optimization_barrier
+  does not stop that); it does not duplicate an integer division into its
+  consumers, so dividing the bits by a 1 it cannot fold (clz < 64) keeps
+  `values` once per block."""
+  bits = lax.bitcast_convert_type(values, jnp.int32)
+  return lax.bitcast_convert_type(lax.div(bits, (lax.clz(bits) >> 6) | 1), jnp.float32)
+
+
 def _recip(c):
   """float32 1/c. Constant divisors are written as this product because XLA
   rewrites x / c into x * (1/c) anyway; spelling it out keeps the definition
@@ -312,12 +324,9 @@ def _element_values(x, spec, axis, key):
   if spec.family == "mx":
     e = (quest.block_exponent(xb, red, spec) if spec.block_scale == "quest" else
          block_exponent(exponent_amax(xb, red), spec))
-    # XLA fuses the cheap integer work from amax to scale into the element
-    # pass and redoes it for every element; an integer division, which it does
-    # not duplicate that way, by a 1 it cannot fold (clz < 64) keeps it once per block.
-    e = lax.div(e, (lax.clz(e) >> 6) | 1)
     s = scales_lib.exp2(e)
     inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
+    s, inv = per_block(s), per_block(inv)
     v = xb * inv
     stored = scales_lib.to_e8m0(e)
   elif spec.family == "nvfp4":
@@ -364,9 +373,9 @@ def _nvfp4_scaled(xb, amax, finite, g, peak):
   """(s, v): E4M3 block scales mapping each block's amax to `peak`, as float32
   (NaN for non-finite blocks), and the blocks divided by s * g (0 where that
   is 0)."""
-  s = round_element(amax * _recip(peak) / g, ELEMENTS["e4m3"])
-  s = jnp.where(finite, s, jnp.nan)
-  d = s * g
+  s = per_block(jnp.where(finite, round_element(amax * _recip(peak) / g, ELEMENTS["e4m3"]),
+                          jnp.nan))
+  d = per_block(s * g)
   return s, xb / jnp.where(d == 0, jnp.inf, d)
 
 
