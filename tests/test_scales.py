@@ -5,13 +5,13 @@ the definitions in research.md.
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fp4jax.bench import hlo_stats
 from fp4jax.numerics import formats
 from fp4jax.numerics import scales
 
@@ -177,26 +177,27 @@ def test_per_block_returns_its_input_bit_for_bit():
   np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
 
 
+def _elements(line):
+  """Number of elements of an HLO instruction line's array shape (0 for others)."""
+  m = hlo_stats._SHAPED.match(line)
+  return int(np.prod([int(d) for d in m.group(3).split(",") if d])) if m else 0
+
+
 def _per_block_ops_in_element_pass(fmt, axis, shape=(256, 384)):
-  """Instructions of smaller-than-element shape (other than broadcasts,
-  bitcasts, reshapes, constants, parameters) inside the fusion that writes the
-  [256, 384] fake-quantized values, in XLA's optimized CPU HLO."""
+  """Opcodes of smaller-than-element shape (other than broadcasts, bitcasts,
+  reshapes, constants, parameters) inside the fused computations whose root
+  writes all [256, 384] fake-quantized values, in XLA's optimized CPU HLO."""
   spec = formats.QuantSpec(fmt)
   f = jax.jit(lambda v: formats.fake_quantize_unscaled(v, spec, axis)[0].astype(jnp.bfloat16))
-  hlo = f.lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text()
-  size = lambda dims: int(np.prod([int(d) for d in dims.split(",") if d]))
-  n, found, passes = int(np.prod(shape)), [], 0
-  for comp in re.finditer(r"^%?[\w.\-]+ \([^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S):
-    root = re.search(r"ROOT %[\w.\-]+ = \w+\[([\d,]*)\]", comp.group(1))
-    if root is None or size(root.group(1)) != n:
-      continue
-    passes += 1
-    for dims, op in re.findall(r"%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", comp.group(1)):
-      if op not in ("parameter", "constant", "bitcast", "broadcast", "reshape") and (
-          1 < size(dims) < n):
-        found.append(op)
-  assert passes >= 1, "no fusion writes the quantized values"
-  return found
+  entry, comps = hlo_stats._computations(
+      f.lower(jnp.zeros(shape, jnp.bfloat16)).compile().as_text())
+  n = int(np.prod(shape))
+  passes = [ops for name, ops in comps.items()
+            if name != entry and any(" ROOT " in line and _elements(line) == n for _, line in ops)]
+  assert passes, "no computation writes the quantized values"
+  return [op for ops in passes for op, line in ops
+          if op not in ("parameter", "constant", "bitcast", "broadcast", "reshape")
+          and 1 < _elements(line) < n]
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks XLA:CPU's fusion")
