@@ -37,6 +37,20 @@ Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
 layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
 the "hadamard" rng stream).
 
+Plain GEMMs: an unquantized GEMM (a role that neither quantizes nor rotates,
+and all three of a recipe such as "bf16") on the CPU with bf16 operands and
+output runs as lax.dot_general with a float32 output, rounded once to
+bf16, forward and backward (the custom_vjp), like
+every quantized GEMM. That is lax.dot_general's own arithmetic (exact
+products, float32 sums, one rounding) in another summation order, so outputs
+differ from it only where the float32 sum lies within an ulp of a rounding
+tie. XLA:CPU runs a bf16 x bf16 -> float32 dot as a bf16 GEMM, but jax
+0.10.2 runs a bf16 -> bf16 dot as a float32 GEMM, and autodiff's backward
+dots of one (jax 0.10.2 and 0.12) slower still, so on a CPU with bf16
+instructions plain bf16 steps would take another, slower route than the
+quantized ones (docs/performance.md). Elsewhere plain GEMMs are
+lax.dot_general, bitwise.
+
 Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
 takes a runtime boolean `wgrad_switched`; where it is true the backward
 computes Wgrad with `gemm` (FP8 or unquantized) instead of the recipe's, one
@@ -116,7 +130,7 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   quantizing `a`.
   """
   if gemm.is_plain:
-    return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
+    return _plain_gemm(a, b, dims, precision, out_dtype, out_sharding)
   (ca, cb), (ba, bb) = dims
   keys, signs = _operand_keys(gemm, key, layer_key)
   backend = backends.for_gemm(recipe.backend, gemm)
@@ -255,9 +269,10 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   and ignored otherwise. `wgrad_switched` (a boolean scalar, may be traced)
   needs `switch_wgrad_to`, a deterministic Gemm: where true, Wgrad is
   computed with it instead of recipe.wgrad (None: recipe.wgrad, no
-  lax.cond). A recipe that neither quantizes nor rotates (e.g. "bf16") calls
-  lax.dot_general with the caller's arguments (no custom_vjp: bitwise
-  lax.dot_general, gradients included; `wgrad_switched` is ignored).
+  lax.cond). A recipe that neither quantizes nor rotates (e.g. "bf16") is
+  lax.dot_general with the caller's arguments (bitwise, gradients included;
+  `key`, `layer_key`, `wgrad_switched` ignored), except for bf16 operands on
+  the CPU (module docstring, "Plain GEMMs").
   """
   if not isinstance(recipe, Recipe):
     raise TypeError(f"dot_general takes a Recipe, e.g. fp4jax.recipe('mxfp4-dh16'); "
@@ -269,7 +284,7 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
     raise ValueError(f"recipe {recipe.name!r} saves quantized residuals (the Wgrad lhs in "
                      "its FP4 form); switch_wgrad_to needs residuals='original'")
   if recipe.is_plain:
-    return _plain
+    return functools.partial(_plain, recipe)
 
   def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
          out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
@@ -282,17 +297,22 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
     if wgrad_switched is not None and switch_wgrad_to is None:
       raise ValueError("wgrad_switched= needs dot_general(recipe, switch_wgrad_to=gemm)")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    (lc, rc), (lb, rb) = dimension_numbers
-    dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
-            (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    s = _Static(recipe, dims, precision, out_dtype, out_sharding, switch_wgrad_to)
+    s = _Static(recipe, _checked_dims(dimension_numbers, lhs, rhs), precision, out_dtype,
+                out_sharding, switch_wgrad_to)
     if wgrad_switched is not None:
       wgrad_switched = jnp.asarray(wgrad_switched, jnp.bool_)
     return _qdot(s, lhs, rhs, key if recipe.is_random else None,
                  layer_key if recipe.needs_layer_key else None, wgrad_switched)
 
   return fn
+
+
+def _checked_dims(dimension_numbers, lhs, rhs):
+  """dot_general dimension numbers with every dim non-negative (_axes)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
+          (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
 
 
 def _axes(dims, x, name):
@@ -303,10 +323,33 @@ def _axes(dims, x, name):
   return tuple(d % x.ndim for d in dims)
 
 
-def _plain(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+def _wide_output_route(lhs, rhs, out_dtype) -> bool:
+  """True on the CPU for bf16 operands and output (module docstring, "Plain GEMMs")."""
+  return (jax.default_backend() == "cpu"
+          and jnp.result_type(lhs) == jnp.result_type(rhs) == out_dtype == jnp.bfloat16)
+
+
+def _plain_gemm(a, b, dims, precision, out_dtype, out_sharding):
+  """An unquantized GEMM: lax.dot_general(a, b, dims) -> out_dtype, through a
+  float32-output dot rounded once to out_dtype where _wide_output_route says so."""
+  if not _wide_output_route(a, b, out_dtype):
+    return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
+  y = lax.dot_general(a, b, dims, precision, jnp.float32, out_sharding=out_sharding)
+  return backends.fence_dot_output(y, jnp.bfloat16).astype(out_dtype)
+
+
+def _plain(recipe, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
            out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
-  """lax.dot_general with the caller's arguments; `key`, `layer_key`, `wgrad_switched` are
+  """dot_general of a recipe that neither quantizes nor rotates: lax.dot_general with
+  the caller's arguments, or its three GEMMs through _plain_gemm in the custom_vjp
+  where _wide_output_route says so. `key`, `layer_key`, `wgrad_switched` are
   accepted and unused."""
   del key, layer_key, wgrad_switched
-  return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                         out_sharding=out_sharding)
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+  if not _wide_output_route(lhs, rhs, out_dtype):
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                           out_sharding=out_sharding)
+  s = _Static(recipe, _checked_dims(dimension_numbers, lhs, rhs), precision, out_dtype,
+              out_sharding)
+  return _qdot(s, lhs, rhs, None, None, None)

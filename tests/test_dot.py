@@ -208,20 +208,47 @@ def test_reference_detects_a_wrong_axis():
 
 # ------------------------------------------------------------- exactness
 
-def test_bf16_is_lax_dot_general_bitwise():
+def test_bf16_is_lax_dot_general_bitwise_for_float32_operands_and_outputs():
   dg = dot.dot_general(recipes.recipe("bf16"))
-  x, w = _normal(0, (4, 8, 64), jnp.bfloat16), _normal(1, (64, 32), jnp.bfloat16)
-  dy = _normal(2, (4, 8, 32), jnp.bfloat16)
-  for kw in ({}, dict(precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)):
+  for dtype, kw in ((jnp.float32, {}),
+                    (jnp.bfloat16, dict(precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=jnp.float32))):
+    x, w = _normal(0, (4, 8, 64), dtype), _normal(1, (64, 32), dtype)
     f = lambda a, b: dg(a, b, DENSE, **kw)
     g = lambda a, b: lax.dot_general(a, b, DENSE, **kw)
     got = jax.vjp(f, x, w)
     want = jax.vjp(g, x, w)
     np.testing.assert_array_equal(got[0], want[0])
-    dyk = dy.astype(got[0].dtype)
+    dyk = _normal(2, (4, 8, 32), got[0].dtype)
     for a, b in zip(got[1](dyk), want[1](dyk)):
       assert a.dtype == b.dtype
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the float32-output route is CPU-only")
+def test_bf16_on_the_cpu_rounds_float32_output_gemms_once():
+  """bf16 operands on the CPU: each of the three GEMMs is a bf16 x bf16 ->
+  float32 lax.dot_general rounded to bf16 (in the custom_vjp), bit for bit;
+  against autodiff of lax.dot_general, which sums in another order, only
+  rounding ties differ: fewer than 1 in 10^3 outputs, by one bf16 ulp."""
+  dg = dot.dot_general(recipes.recipe("bf16"))
+  x, w = _normal(0, (4, 64, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
+  dy = _normal(2, (4, 64, 128), jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda a, b: dg(a, b, DENSE))(x, w))
+  assert "custom_vjp_call" in jaxpr and "preferred_element_type=float32" in jaxpr, jaxpr
+  wide = lambda a, b, dims: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32
+                                            ).astype(jnp.bfloat16)
+  want = (wide(x, w, DENSE), wide(dy, w, (((2,), (1,)), ((), ()))),
+          wide(x, dy, (((0, 1), (0, 1)), ((), ()))))
+  y, pull = jax.vjp(lambda a, b: dg(a, b, DENSE), x, w)
+  got = (y, *pull(dy))
+  y_lax, pull_lax = jax.vjp(lambda a, b: lax.dot_general(a, b, DENSE), x, w)
+  for a, b, c in zip(got, want, (y_lax, *pull_lax(dy))):
+    assert a.dtype == b.dtype == c.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(a, b)
+    bits = lambda t: np.asarray(t).view(np.uint16).astype(np.int32)
+    ulps = np.abs(bits(a) - bits(c))
+    assert ulps.max() <= 1 and (ulps > 0).mean() < 1e-3, (ulps.max(), (ulps > 0).mean())
 
 
 def test_deterministic_recipes_are_bitwise_reproducible():

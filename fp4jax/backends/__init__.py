@@ -37,6 +37,8 @@ import importlib
 import logging
 
 import jax
+from jax import lax
+import jax.numpy as jnp
 
 NAMES = ("xla", "pallas", "native")
 # Oldest jax a backend runs on (default: the project's floor).
@@ -120,3 +122,14 @@ def apply_factors(y, *factors):
     if f is not None:
       scale = f if scale is None else scale * f
   return y if scale is None else y * scale
+
+
+def fence_dot_output(y, compute_dtype):
+  """y, the float32 output of a dot of `compute_dtype` operands, behind an
+  optimization barrier for bf16 operands on the CPU. Works around XLA:CPU (jax
+  0.10.2): a bf16 x bf16 -> f32 dot whose result is transposed later (by dot's
+  layout, vmap or the caller) has the transpose folded into it and fails with
+  "Unsupported element type for DotThunk::Execute"."""
+  if compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    return lax.optimization_barrier(y)
+  return y

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from fp4jax.numerics import formats
 from fp4jax.numerics.operand import rotate_padded
-from fp4jax.backends import apply_factors
+from fp4jax.backends import apply_factors, fence_dot_output
 
 
 class Operand(NamedTuple):
@@ -65,13 +65,4 @@ def matmul(a, b, dims, precision, out_sharding, route=None):
   dtype = jnp.promote_types(a.values.dtype, b.values.dtype)
   y = lax.dot_general(a.values.astype(dtype), b.values.astype(dtype), dims, precision,
                       jnp.float32, out_sharding=out_sharding)
-  return apply_factors(_fence(y, dtype), a.factor, b.factor)
-
-
-def _fence(y, compute_dtype):
-  """Works around XLA:CPU (jax 0.10.2): a bf16 x bf16 -> f32 dot whose result is
-  transposed later (by dot's layout, vmap or the caller) has the transpose folded
-  into it and fails with "Unsupported element type for DotThunk::Execute"."""
-  if compute_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-    return lax.optimization_barrier(y)
-  return y
+  return apply_factors(fence_dot_output(y, dtype), a.factor, b.factor)

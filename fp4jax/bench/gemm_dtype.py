@@ -1,4 +1,4 @@
-"""One GEMM on bf16 operands: bf16 x bf16 -> float32 against float32 x float32, time and bits.
+"""One GEMM on bf16 operands: bf16 x bf16 -> float32 against float32 x float32 and bf16 x bf16 -> bf16, time and bits.
 
   python -m fp4jax.bench gemm_dtype [--shapes 1024x128x384,1024x384x128,128x1024x384]
                                     [--repeats 50]
@@ -10,18 +10,23 @@ GEMM chooses. Printed: the fastest of `--repeats` round-robin calls of each,
 their ratio, and the fraction of output elements whose bf16 roundings differ
 (the float32 outputs differ only by round-off, so this counts bf16 rounding
 ties). This is the difference between a bf16 model's FP8 GEMMs in bf16 and in
-float32 (docs/numerics.md).
+float32 (docs/numerics.md), and the one the `bf16` recipe's GEMMs on the CPU
+make against lax.dot_general's. Also timed: the bf16 x bf16 -> bf16 dot (no
+preferred type) of plain JAX, which jax 0.10.2 runs on the CPU as a float32
+GEMM.
 """
 
 import argparse
 import os
 import time
+from typing import NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from fp4jax.bench import machine
 from fp4jax.bench import positive_int
 
 _DIMS = (((1,), (0,)), ((), ()))
@@ -47,17 +52,27 @@ def parser():
   return p
 
 
-def _gemm(dtype):
+def _gemm(dtype, out_dtype=jnp.float32):
   return jax.jit(lambda x, w: lax.dot_general(x.astype(dtype), w.astype(dtype), _DIMS,
-                                              preferred_element_type=jnp.float32))
+                                              preferred_element_type=out_dtype))
+
+
+class Measured(NamedTuple):
+  """Fastest seconds of each GEMM, and the fraction of bf16-rounded outputs of
+  the first two that differ."""
+  bf16: float  # bf16 x bf16 -> float32
+  f32: float  # float32 x float32 -> float32
+  bf16_out: float  # bf16 x bf16 -> bf16
+  differ: float
 
 
 def measure(m, k, n, repeats):
-  """(bf16 seconds, float32 seconds, fraction of bf16-rounded outputs that differ)."""
+  """Measured for one M x K x N shape (module docstring)."""
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (m, k), jnp.bfloat16)
   w = jax.random.normal(kw, (k, n), jnp.bfloat16)
-  fns = {"bf16": _gemm(jnp.bfloat16), "f32": _gemm(jnp.float32)}
+  fns = {"bf16": _gemm(jnp.bfloat16), "f32": _gemm(jnp.float32),
+         "bf16_out": _gemm(jnp.bfloat16, None)}
   outs = {name: jax.block_until_ready(f(x, w)) for name, f in fns.items()}
   best = dict.fromkeys(fns, float("inf"))
   for _ in range(repeats):
@@ -65,7 +80,7 @@ def measure(m, k, n, repeats):
       start = time.perf_counter()
       jax.block_until_ready(f(x, w))
       best[name] = min(best[name], time.perf_counter() - start)
-  return best["bf16"], best["f32"], bf16_differ_fraction(outs["bf16"], outs["f32"])
+  return Measured(**best, differ=bf16_differ_fraction(outs["bf16"], outs["f32"]))
 
 
 def bf16_differ_fraction(a, b):
@@ -77,11 +92,15 @@ def bf16_differ_fraction(a, b):
 def main(argv):
   args = parser().parse_args(argv)
   load = os.getloadavg()
-  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, load average "
+  where = (machine.cpu_description() if jax.default_backend() == "cpu"
+           else jax.devices()[0].device_kind)
+  print(f"jax {jax.__version__}, {where}, load average "
         f"{load[0]:.1f}; fastest of {args.repeats} calls")
-  print("| M x K x N | bf16 x bf16 (us) | f32 x f32 (us) | f32 / bf16 | bf16 outputs differing |")
-  print("|---|---|---|---|---|")
+  print("| M x K x N | bf16 x bf16 -> f32 (us) | f32 x f32 (us) | f32 / bf16 | "
+        "bf16 x bf16 -> bf16 (us) | bf16 out / f32 out | bf16 outputs differing |")
+  print("|---|---|---|---|---|---|---|")
   for m, k, n in args.shapes:
-    t_bf16, t_f32, differ = measure(m, k, n, args.repeats)
-    print(f"| {m} x {k} x {n} | {t_bf16 * 1e6:,.0f} | {t_f32 * 1e6:,.0f} | "
-          f"{t_f32 / t_bf16:.2f} | {differ:.1e} |")
+    t = measure(m, k, n, args.repeats)
+    print(f"| {m} x {k} x {n} | {t.bf16 * 1e6:,.0f} | {t.f32 * 1e6:,.0f} | "
+          f"{t.f32 / t.bf16:.2f} | {t.bf16_out * 1e6:,.0f} | {t.bf16_out / t.bf16:.2f} | "
+          f"{t.differ:.1e} |")

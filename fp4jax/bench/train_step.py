@@ -16,7 +16,6 @@ residuals="quantized".
 import argparse
 import datetime
 import os
-import platform
 import time
 
 import jax
@@ -26,6 +25,7 @@ from fp4jax import sharding
 from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
+from fp4jax.bench import machine
 from fp4jax.bench.memory import named_recipe
 from fp4jax.train.cli import load_config_file
 
@@ -94,7 +94,7 @@ def main(argv):
       times[n].append(seconds)
   load = os.getloadavg()
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, jax "
-        f"{jax.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{jax.__version__}, {machine.cpu_description()}, load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.config}: {tokens_per_step} tokens "
         f"a step, {args.rounds} rounds x {args.steps} steps")
   print("| recipe | tokens/s (median, min-max) | step time / bf16 (median, min-max) |")
