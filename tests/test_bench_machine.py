@@ -2,6 +2,8 @@
 
 import os
 
+import jax
+
 from fp4jax.bench import machine
 
 _ZEN4 = """processor\t: 0
@@ -37,3 +39,10 @@ def test_cpu_description_names_the_model_the_vector_unit_and_the_bf16_instructio
 def test_cpu_description_without_cpuinfo_names_the_machine(tmp_path):
   text = machine.cpu_description(str(tmp_path / "missing"))
   assert text.endswith(f"{os.cpu_count()} CPUs") and "bf16" not in text
+
+
+def test_describe_on_the_cpu_backend_is_the_cpu_line():
+  if jax.default_backend() == "cpu":
+    assert machine.describe() == machine.cpu_description()
+  else:
+    assert machine.describe().startswith(jax.devices()[0].device_kind)

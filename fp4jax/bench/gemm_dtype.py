@@ -92,9 +92,7 @@ def bf16_differ_fraction(a, b):
 def main(argv):
   args = parser().parse_args(argv)
   load = os.getloadavg()
-  where = (machine.cpu_description() if jax.default_backend() == "cpu"
-           else jax.devices()[0].device_kind)
-  print(f"jax {jax.__version__}, {where}, load average "
+  print(f"jax {jax.__version__}, {machine.describe()}, load average "
         f"{load[0]:.1f}; fastest of {args.repeats} calls")
   print("| M x K x N | bf16 x bf16 -> f32 (us) | f32 x f32 (us) | f32 / bf16 | "
         "bf16 x bf16 -> bf16 (us) | bf16 out / f32 out | bf16 outputs differing |")

@@ -9,6 +9,8 @@ timings and their ratios move from one CPU to another (docs/performance.md).
 import os
 import platform
 
+import jax
+
 # Linux /proc/cpuinfo names: x86 "flags", Arm "Features".
 BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 VECTOR_FLAGS = ("avx512f", "avx2", "asimd")
@@ -33,3 +35,10 @@ def cpu_description(cpuinfo="/proc/cpuinfo") -> str:
   bf16 = [f for f in BF16_FLAGS if f in flags]
   return (f"{model}, {os.cpu_count()} CPUs, {vector}, "
           f"bf16 instructions: {' '.join(bf16) if bf16 else 'none'}")
+
+
+def describe() -> str:
+  """cpu_description() on jax's CPU backend, else the first device's kind."""
+  if jax.default_backend() == "cpu":
+    return cpu_description()
+  return f"{jax.devices()[0].device_kind}, {jax.device_count()} devices"

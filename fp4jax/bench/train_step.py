@@ -94,7 +94,7 @@ def main(argv):
       times[n].append(seconds)
   load = os.getloadavg()
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, jax "
-        f"{jax.__version__}, {machine.cpu_description()}, load average "
+        f"{jax.__version__}, {machine.describe()}, load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.config}: {tokens_per_step} tokens "
         f"a step, {args.rounds} rounds x {args.steps} steps")
   print("| recipe | tokens/s (median, min-max) | step time / bf16 (median, min-max) |")
