@@ -40,8 +40,7 @@ the "hadamard" rng stream).
 Plain GEMMs: an unquantized GEMM (a role that neither quantizes nor rotates,
 and all three of a recipe such as "bf16") on the CPU with bf16 operands and
 output runs as lax.dot_general with a float32 output, rounded once to
-bf16, forward and backward (the custom_vjp), like
-every quantized GEMM. That is lax.dot_general's own arithmetic (exact
+bf16, forward and backward (the custom_vjp), like every quantized GEMM. That is lax.dot_general's own arithmetic (exact
 products, float32 sums, one rounding) in another summation order, so outputs
 differ from it only where the float32 sum lies within an ulp of a rounding
 tie. XLA:CPU runs a bf16 x bf16 -> float32 dot as a bf16 GEMM, but jax
@@ -297,8 +296,7 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
     if wgrad_switched is not None and switch_wgrad_to is None:
       raise ValueError("wgrad_switched= needs dot_general(recipe, switch_wgrad_to=gemm)")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    s = _Static(recipe, _checked_dims(dimension_numbers, lhs, rhs), precision, out_dtype,
+    s = _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
                 out_sharding, switch_wgrad_to)
     if wgrad_switched is not None:
       wgrad_switched = jnp.asarray(wgrad_switched, jnp.bool_)
@@ -308,11 +306,15 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   return fn
 
 
-def _checked_dims(dimension_numbers, lhs, rhs):
-  """dot_general dimension numbers with every dim non-negative (_axes)."""
+def _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
+            out_sharding, switch_wgrad_to=None):
+  """The _Static of one call: every dim non-negative (_axes), the output dtype
+  preferred_element_type or the operands' result type."""
   (lc, rc), (lb, rb) = dimension_numbers
-  return ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
+  dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
           (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+  return _Static(recipe, dims, precision, out_dtype, out_sharding, switch_wgrad_to)
 
 
 def _axes(dims, x, name):
@@ -346,10 +348,9 @@ def _plain(recipe, lhs, rhs, dimension_numbers, precision=None, preferred_elemen
   accepted and unused."""
   del key, layer_key, wgrad_switched
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-  if not _wide_output_route(lhs, rhs, out_dtype):
+  s = _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
+              out_sharding)
+  if not _wide_output_route(lhs, rhs, s.out_dtype):
     return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                            out_sharding=out_sharding)
-  s = _Static(recipe, _checked_dims(dimension_numbers, lhs, rhs), precision, out_dtype,
-              out_sharding)
   return _qdot(s, lhs, rhs, None, None, None)
