@@ -37,18 +37,20 @@ Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
 layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
 the "hadamard" rng stream).
 
-Plain GEMMs: an unquantized GEMM (a role that neither quantizes nor rotates,
-and all three of a recipe such as "bf16") on the CPU with bf16 operands and
-output runs as lax.dot_general with a float32 output, rounded once to
-bf16, forward and backward (the custom_vjp), like every quantized GEMM. That is lax.dot_general's own arithmetic (exact
-products, float32 sums, one rounding) in another summation order, so outputs
-differ from it only where the float32 sum lies within an ulp of a rounding
-tie. XLA:CPU runs a bf16 x bf16 -> float32 dot as a bf16 GEMM, but jax
-0.10.2 runs a bf16 -> bf16 dot as a float32 GEMM, and autodiff's backward
-dots of one (jax 0.10.2 and 0.12) slower still, so on a CPU with bf16
-instructions plain bf16 steps would take another, slower route than the
-quantized ones (docs/performance.md). Elsewhere plain GEMMs are
-lax.dot_general, bitwise.
+Plain GEMMs (a role that neither quantizes nor rotates, and all three of a
+recipe such as "bf16") follow Recipe.plain_route. "lax" (the default):
+lax.dot_general with the caller's arguments, so the "bf16" recipe is bitwise
+an unquantized model, gradients included. "float32_output": each forward and
+backward GEMM is a float32-output lax.dot_general rounded once to the output
+dtype (in the custom_vjp), the route every quantized GEMM takes. For bf16
+operands and output that is lax.dot_general's own arithmetic (exact products,
+float32 sums, one rounding) in another summation order, so outputs differ
+only where the float32 sum lies within an ulp of a rounding tie. It exists
+for the CPU: XLA:CPU runs a bf16 x bf16 -> float32 dot as a bf16 GEMM, but
+jax 0.10.2 runs a bf16 -> bf16 dot as a float32 GEMM, and autodiff's backward
+of one (jax 0.10.2 and 0.12) is slower still, so on a CPU with bf16
+instructions a plain bf16 step takes another, slower route than the
+quantized ones (docs/performance.md).
 
 Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
 takes a runtime boolean `wgrad_switched`; where it is true the backward
@@ -129,7 +131,7 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   quantizing `a`.
   """
   if gemm.is_plain:
-    return _plain_gemm(a, b, dims, precision, out_dtype, out_sharding)
+    return _plain_gemm(a, b, dims, recipe.plain_route, precision, out_dtype, out_sharding)
   (ca, cb), (ba, bb) = dims
   keys, signs = _operand_keys(gemm, key, layer_key)
   backend = backends.for_gemm(recipe.backend, gemm)
@@ -270,8 +272,8 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   computed with it instead of recipe.wgrad (None: recipe.wgrad, no
   lax.cond). A recipe that neither quantizes nor rotates (e.g. "bf16") is
   lax.dot_general with the caller's arguments (bitwise, gradients included;
-  `key`, `layer_key`, `wgrad_switched` ignored), except for bf16 operands on
-  the CPU (module docstring, "Plain GEMMs").
+  `key`, `layer_key`, `wgrad_switched` ignored), unless its plain_route is
+  "float32_output" (module docstring, "Plain GEMMs").
   """
   if not isinstance(recipe, Recipe):
     raise TypeError(f"dot_general takes a Recipe, e.g. fp4jax.recipe('mxfp4-dh16'); "
@@ -325,32 +327,26 @@ def _axes(dims, x, name):
   return tuple(d % x.ndim for d in dims)
 
 
-def _wide_output_route(lhs, rhs, out_dtype) -> bool:
-  """True on the CPU for bf16 operands and output (module docstring, "Plain GEMMs")."""
-  return (jax.default_backend() == "cpu"
-          and jnp.result_type(lhs) == jnp.result_type(rhs) == out_dtype == jnp.bfloat16)
-
-
-def _plain_gemm(a, b, dims, precision, out_dtype, out_sharding):
-  """An unquantized GEMM: lax.dot_general(a, b, dims) -> out_dtype, through a
-  float32-output dot rounded once to out_dtype where _wide_output_route says so."""
-  if not _wide_output_route(a, b, out_dtype):
+def _plain_gemm(a, b, dims, route, precision, out_dtype, out_sharding):
+  """An unquantized GEMM lax.dot_general(a, b, dims) -> out_dtype, by Recipe.plain_route:
+  directly ("lax") or as a float32-output dot rounded once ("float32_output")."""
+  if route == "lax":
     return lax.dot_general(a, b, dims, precision, out_dtype, out_sharding=out_sharding)
   y = lax.dot_general(a, b, dims, precision, jnp.float32, out_sharding=out_sharding)
-  return backends.fence_dot_output(y, jnp.bfloat16).astype(out_dtype)
+  return backends.fence_dot_output(y, jnp.result_type(a, b)).astype(out_dtype)
 
 
 def _plain(recipe, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
            out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
   """dot_general of a recipe that neither quantizes nor rotates: lax.dot_general with
-  the caller's arguments, or its three GEMMs through _plain_gemm in the custom_vjp
-  where _wide_output_route says so. `key`, `layer_key`, `wgrad_switched` are
+  the caller's arguments (plain_route "lax"), or its three GEMMs through
+  _plain_gemm in the custom_vjp. `key`, `layer_key`, `wgrad_switched` are
   accepted and unused."""
   del key, layer_key, wgrad_switched
+  if recipe.plain_route == "lax":
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                           out_sharding=out_sharding)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   s = _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
               out_sharding)
-  if not _wide_output_route(lhs, rhs, s.out_dtype):
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                           out_sharding=out_sharding)
   return _qdot(s, lhs, rhs, None, None, None)

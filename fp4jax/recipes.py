@@ -53,6 +53,7 @@ OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 BACKENDS = backends.NAMES + ("auto",)
 RESIDUALS = ("original", "quantized")
+PLAIN_ROUTES = ("lax", "float32_output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,11 @@ class Recipe:
   native_route: the native backend's op, "auto" (by format),
   "scaled_matmul" or "scaled_dot" (fp4jax.backends.native).
   residuals: "original" or "quantized" (module docstring).
+  plain_route: how a GEMM that neither quantizes nor rotates runs: "lax"
+  (lax.dot_general with the caller's arguments, autodiff backward: bitwise an
+  unquantized model) or "float32_output" (forward and backward GEMMs as
+  float32-output dots rounded once to the output dtype, the route of every
+  quantized GEMM; fp4jax.dot, "Plain GEMMs").
   """
 
   name: str
@@ -130,6 +136,7 @@ class Recipe:
   backend: str = "xla"
   native_route: str = "auto"
   residuals: str = "original"
+  plain_route: str = "lax"
 
   def __post_init__(self):
     if self.compute_dtype not in COMPUTE_DTYPES:
@@ -138,6 +145,8 @@ class Recipe:
       raise ValueError(f"backend {self.backend!r} not in {BACKENDS}")
     if self.residuals not in RESIDUALS:
       raise ValueError(f"residuals {self.residuals!r} not in {RESIDUALS}")
+    if self.plain_route not in PLAIN_ROUTES:
+      raise ValueError(f"plain_route {self.plain_route!r} not in {PLAIN_ROUTES}")
     if self.residuals == "quantized":
       self._check_quantized_residuals()
     backends.check_jax(self.backend)
@@ -170,7 +179,8 @@ class Recipe:
 
   @property
   def is_plain(self) -> bool:
-    """True when no role quantizes or rotates: dot_general is lax.dot_general."""
+    """True when no role quantizes or rotates: dot_general is lax.dot_general
+    (plain_route "lax") or its float32-output form."""
     return all(getattr(self, r).is_plain for r in ROLES)
 
   def to_config(self) -> ml_collections.ConfigDict:
@@ -181,6 +191,7 @@ class Recipe:
     cfg.backend = self.backend
     cfg.native_route = self.native_route
     cfg.residuals = self.residuals
+    cfg.plain_route = self.plain_route
     for role in ROLES:
       gemm = getattr(self, role)
       for op in OPERANDS:
@@ -293,7 +304,7 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
   rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
-  backend, native_route, residuals and scale_mode (the rule of every MX operand without its
+  backend, native_route, residuals, plain_route and scale_mode (the rule of every MX operand without its
   own scale_mode).
   """
   def operand():
@@ -312,7 +323,7 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       name=name, compute_dtype=config_dict.placeholder(str),
       backend=config_dict.placeholder(str), native_route=config_dict.placeholder(str),
-      residuals=config_dict.placeholder(str),
+      residuals=config_dict.placeholder(str), plain_route=config_dict.placeholder(str),
       scale_mode=config_dict.placeholder(str),
       fprop=gemm(), dgrad=gemm(), wgrad=gemm()))
 
@@ -372,7 +383,8 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
         _override_hadamard(gemm.hadamard, cfg[role].hadamard))
   out = Recipe(base.name, **roles, **_given(
       dict(compute_dtype=cfg.compute_dtype, backend=cfg.backend,
-           native_route=cfg.get("native_route"), residuals=cfg.get("residuals"))))
+           native_route=cfg.get("native_route"), residuals=cfg.get("residuals"),
+           plain_route=cfg.get("plain_route"))))
   if scale_mode is not None and not _mx_specs(out):
     raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
                      f"recipe {cfg.name!r} has none")

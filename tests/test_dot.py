@@ -208,14 +208,17 @@ def test_reference_detects_a_wrong_axis():
 
 # ------------------------------------------------------------- exactness
 
-def test_bf16_is_lax_dot_general_bitwise_for_float32_operands_and_outputs():
+def test_bf16_is_lax_dot_general_bitwise():
   dg = dot.dot_general(recipes.recipe("bf16"))
-  for dtype, kw in ((jnp.float32, {}),
+  for dtype, kw in ((jnp.float32, {}), (jnp.bfloat16, {}),
                     (jnp.bfloat16, dict(precision=lax.Precision.HIGHEST,
                                         preferred_element_type=jnp.float32))):
     x, w = _normal(0, (4, 8, 64), dtype), _normal(1, (64, 32), dtype)
     f = lambda a, b: dg(a, b, DENSE, **kw)
     g = lambda a, b: lax.dot_general(a, b, DENSE, **kw)
+    # The same program, not only the same bits (where two GEMM routes sum
+    # alike, bits alone would not tell them apart).
+    assert str(jax.make_jaxpr(f)(x, w)) == str(jax.make_jaxpr(g)(x, w))
     got = jax.vjp(f, x, w)
     want = jax.vjp(g, x, w)
     np.testing.assert_array_equal(got[0], want[0])
@@ -225,13 +228,12 @@ def test_bf16_is_lax_dot_general_bitwise_for_float32_operands_and_outputs():
       np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the float32-output route is CPU-only")
-def test_bf16_on_the_cpu_rounds_float32_output_gemms_once():
-  """bf16 operands on the CPU: each of the three GEMMs is a bf16 x bf16 ->
+def test_plain_route_float32_output_rounds_float32_output_gemms_once():
+  """plain_route="float32_output": each of the three GEMMs is a bf16 x bf16 ->
   float32 lax.dot_general rounded to bf16 (in the custom_vjp), bit for bit;
   against autodiff of lax.dot_general, which sums in another order, only
   rounding ties differ: fewer than 1 in 10^3 outputs, by one bf16 ulp."""
-  dg = dot.dot_general(recipes.recipe("bf16"))
+  dg = dot.dot_general(dataclasses.replace(recipes.recipe("bf16"), plain_route="float32_output"))
   x, w = _normal(0, (4, 64, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
   dy = _normal(2, (4, 64, 128), jnp.bfloat16)
   jaxpr = str(jax.make_jaxpr(lambda a, b: dg(a, b, DENSE))(x, w))
@@ -249,6 +251,20 @@ def test_bf16_on_the_cpu_rounds_float32_output_gemms_once():
     bits = lambda t: np.asarray(t).view(np.uint16).astype(np.int32)
     ulps = np.abs(bits(a) - bits(c))
     assert ulps.max() <= 1 and (ulps > 0).mean() < 1e-3, (ulps.max(), (ulps > 0).mean())
+
+
+def test_plain_route_float32_output_applies_to_a_quantized_recipes_plain_roles():
+  """tseng quantizes only Dgrad and Wgrad: its Fprop follows plain_route."""
+  x, w = _normal(0, (4, 64, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
+  tseng = recipes.recipe("tseng")
+  assert tseng.fprop.is_plain and not tseng.wgrad.is_plain
+  wide = dataclasses.replace(tseng, plain_route="float32_output")
+  key = jax.random.PRNGKey(0)
+  np.testing.assert_array_equal(dot.dot_general(tseng)(x, w, DENSE, key=key),
+                                lax.dot_general(x, w, DENSE))
+  np.testing.assert_array_equal(
+      dot.dot_general(wide)(x, w, DENSE, key=key),
+      lax.dot_general(x, w, DENSE, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
 
 
 def test_deterministic_recipes_are_bitwise_reproducible():

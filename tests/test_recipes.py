@@ -118,6 +118,8 @@ def test_validation():
     Recipe("x", compute_dtype="float16")
   with pytest.raises(ValueError, match="backend"):
     Recipe("x", backend="cuda")
+  with pytest.raises(ValueError, match=r"plain_route 'f32' not in \('lax', 'float32_output'\)"):
+    Recipe("x", plain_route="f32")
 
 
 def test_config_round_trip_every_preset():
@@ -143,6 +145,15 @@ def test_overrides_and_round_trip():
   cfg.fprop.hadamard.signs = "fixed"
   r = recipes.from_config(cfg)
   assert r.fprop.hadamard == Hadamard(16, "fixed") and r.wgrad.hadamard is None
+
+
+def test_plain_route_is_a_config_key():
+  cfg = recipes.config_template("bf16")
+  assert recipes.from_config(cfg).plain_route == "lax"
+  cfg.plain_route = "float32_output"
+  r = recipes.from_config(cfg)
+  assert r.plain_route == "float32_output" and r.name == "bf16[plain_route=float32_output]"
+  assert recipes.from_config(r.to_config()) == r
 
 
 def test_recipe_wide_scale_mode():

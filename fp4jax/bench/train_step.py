@@ -4,13 +4,16 @@
       [--recipes mxfp4-dh16,...] [--steps 20] [--rounds 3]
 
 The train step of the config (model, batch, sequence length, micro-batches,
-mesh) is built as the trainer builds it (fp4jax.train.trainer), once per recipe
-(bf16 always first), compiled, and run on random tokens: `--rounds` rounds,
-each running `--steps` steps of every recipe in turn, so that a load change
-on a shared machine hits all recipes alike. Printed per recipe: the median
-tokens/s over rounds, its spread (min-max), and the ratio of its step time to
-bf16's (median and spread of the per-round ratios). "NAME+qres" runs NAME with
-residuals="quantized".
+mesh) is built as the trainer builds it (fp4jax.train.trainer), once per recipe,
+compiled, and run on random tokens: `--rounds` rounds, each running `--steps`
+steps of every recipe in turn, so that a load change on a shared machine hits
+all recipes alike. Two bf16 baselines always run first: "bf16" (plain_route
+"lax": lax.dot_general, what an unquantized model runs) and "bf16
+float32_output" (plain_route "float32_output": its GEMMs take the quantized
+GEMMs' float32-output route; fp4jax.dot, "Plain GEMMs"). Printed per recipe:
+the median tokens/s over rounds, its spread (min-max), and the ratio of its
+step time to each baseline's (median and spread of the per-round ratios).
+"NAME+qres" runs NAME with residuals="quantized".
 """
 
 import argparse
@@ -30,13 +33,16 @@ from fp4jax.bench.memory import named_recipe
 from fp4jax.train.cli import load_config_file
 
 DEFAULT_CONFIG = "configs/ablation_tiny.py"
+# Row label -> (preset, plain_route) of the two baselines.
+BASELINES = {"bf16": ("bf16", "lax"), "bf16 float32_output": ("bf16", "float32_output")}
 
 
-def build(config, recipe_name):
+def build(config, recipe_name, plain_route="lax"):
   """(jitted step, state, tokens) of `config` with the recipe `recipe_name`."""
   config = config.copy_and_resolve_references()
   r = named_recipe(recipe_name)
   config.quant.name, config.quant.residuals = recipe_name.removesuffix("+qres"), r.residuals
+  config.quant.plain_route = plain_route
   tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   mesh = sharding.make_mesh(config.mesh)
@@ -73,17 +79,19 @@ def main(argv):
     parser_.exit(2, f"--config {args.config!r} is not a file\n")
   if args.steps < 1 or args.rounds < 1:
     parser_.exit(2, f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}\n")
-  names = ["bf16"] + [n for n in args.recipes.split(",") if n and n != "bf16"]
+  recipes = {n: (n, "lax") for n in args.recipes.split(",") if n and n != "bf16"}
   try:
-    for n in names:
+    for n in recipes:
       named_recipe(n)
   except ValueError as e:
     parser_.exit(2, f"--recipes: {e}\n")
   config = load_config_file(args.config)
   tokens_per_step = config.batch_size * config.seq_len
+  arms = {**BASELINES, **recipes}
+  names = list(arms)
   runs = {}
   for n in names:
-    step, state, tokens = build(config, n)
+    step, state, tokens = build(config, *arms[n])
     state, _ = _run(step, state, tokens, 2)  # compile and warm up
     runs[n] = [step, state, tokens]
   times = {n: [] for n in names}
@@ -97,12 +105,13 @@ def main(argv):
         f"{jax.__version__}, {machine.describe()}, load average "
         f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.config}: {tokens_per_step} tokens "
         f"a step, {args.rounds} rounds x {args.steps} steps")
-  print("| recipe | tokens/s (median, min-max) | step time / bf16 (median, min-max) |")
-  print("|---|---|---|")
-  base = np.asarray(times["bf16"])
+  print("| recipe | tokens/s (median, min-max) | "
+        + " | ".join(f"step time / {b} (median, min-max)" for b in BASELINES) + " |")
+  print("|---|---|" + "---|" * len(BASELINES))
   for n in names:
     t = np.asarray(times[n])
     tps = tokens_per_step * args.steps / t
-    ratio = t / base
+    ratios = [t / np.asarray(times[b]) for b in BASELINES]
     print(f"| {n} | {np.median(tps):,.0f} ({tps.min():,.0f}-{tps.max():,.0f}) | "
-          f"{np.median(ratio):.3f} ({ratio.min():.3f}-{ratio.max():.3f}) |")
+          + " | ".join(f"{np.median(r):.3f} ({r.min():.3f}-{r.max():.3f})" for r in ratios)
+          + " |")
