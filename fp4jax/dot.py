@@ -137,16 +137,33 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   backend = backends.for_gemm(recipe.backend, gemm)
   cdt = jnp.dtype(recipe.compute_dtype)
   if saved_lhs is None:
-    a, ia, wa = _flatten(a, ca, last=True)
-    a = backend.quantize(a, gemm.lhs, gemm.hadamard, signs, ia, keys[0], cdt)
+    a, ia, wa = _quantized(backend, a, ca, True, gemm.lhs, gemm.hadamard, signs, keys[0], cdt)
   else:
     _, _, ia, wa = _flat_layout(a.shape, ca, last=True)
     a = backend.from_qarray(residuals.restore(saved_lhs), saved_lhs.dtype, cdt)
-  b, ib, wb = _flatten(b, cb)
-  b = backend.quantize(b, gemm.rhs, gemm.hadamard, signs, ib, keys[1], cdt)
+  b, ib, wb = _quantized(backend, b, cb, False, gemm.rhs, gemm.hadamard, signs, keys[1], cdt)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
   return backend.matmul(a, b, dims, precision, out_sharding,
                         recipe.native_route).astype(out_dtype)
+
+
+def _quantized(backend, x, axes, last, spec, rotation, signs, key, compute_dtype):
+  """x flattened along `axes` (_flatten) and quantized by `backend`:
+  (operand, axis, where) with _flatten's axis and where.
+
+  A per-tensor, deterministic, unrotated operand (FP8) on the xla backend is
+  quantized before its layout changes: one scale for the whole tensor gives
+  the same values in any layout, and XLA then merges the quantizations of an
+  array that several GEMMs read (dY in Dgrad and Wgrad; X in Fprop and Wgrad,
+  W in Fprop and Dgrad, where forward and backward are one computation).
+  """
+  if (backend is backends.module("xla") and spec is not None and spec.block is None
+      and not spec.is_random and rotation is None and x.ndim):
+    op = backend.quantize(x, spec, None, None, x.ndim - 1, key, compute_dtype)
+    values, axis, where = _flatten(op.values, axes, last)
+    return op._replace(values=values), axis, where
+  x, axis, where = _flatten(x, axes, last)
+  return backend.quantize(x, spec, rotation, signs, axis, key, compute_dtype), axis, where
 
 
 def _to_layout(y, owner):

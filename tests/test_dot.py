@@ -467,3 +467,19 @@ def test_bad_arguments_fail_clearly():
   with pytest.raises(ValueError, match="out of range for rhs"):
     trace((((1,), (-3,)), ((), ())))
   assert trace((((-1,), (-2,)), ((), ()))).shape == (4, 8)
+
+
+def test_per_tensor_operands_are_quantized_once_per_array():
+  """fp8 (per-tensor scales): one linear layer's forward and backward take the
+  amax of X, W and dY once each, though X and dY each feed two GEMMs in two
+  layouts (quantized before the layout change, so XLA merges the copies)."""
+  dg = dot.dot_general(recipes.recipe("fp8"))
+  x, w = _normal(0, (4, 64, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
+  dy = _normal(2, (4, 64, 128), jnp.bfloat16)
+
+  def fwd_bwd(a, b, g):
+    y, pull = jax.vjp(lambda a, b: dg(a, b, DENSE), a, b)
+    return y, *pull(g)
+
+  hlo = jax.jit(fwd_bwd).lower(x, w, dy).compile().as_text()
+  assert hlo.count(" reduce(") == 3, hlo.count(" reduce(")
