@@ -303,9 +303,9 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus compute_dtype,
-  backend, native_route, residuals, plain_route and scale_mode (the rule of every MX operand without its
-  own scale_mode).
+  rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus
+  compute_dtype, backend, native_route, residuals, plain_route and scale_mode
+  (the rule of every MX operand without its own scale_mode).
   """
   def operand():
     return ml_collections.ConfigDict(dict(

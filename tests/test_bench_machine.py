@@ -1,4 +1,4 @@
-"""fp4jax.bench.machine: the CPU line that benchmark headers print, from planted /proc/cpuinfo files."""
+"""fp4jax.bench.machine: the CPU line of benchmark headers, from planted /proc/cpuinfo files."""
 
 import os
 
@@ -29,7 +29,8 @@ def _describe(tmp_path, text):
 
 def test_cpu_description_names_the_model_the_vector_unit_and_the_bf16_instructions(tmp_path):
   n = os.cpu_count()
-  assert _describe(tmp_path, _ZEN4) == f"AMD EPYC 9R14, {n} CPUs, avx512f, bf16 instructions: avx512_bf16"
+  assert (_describe(tmp_path, _ZEN4)
+          == f"AMD EPYC 9R14, {n} CPUs, avx512f, bf16 instructions: avx512_bf16")
   assert _describe(tmp_path, _ZEN3) == f"AMD EPYC 7B13, {n} CPUs, avx2, bf16 instructions: none"
   assert _describe(tmp_path, _SAPPHIRE).endswith("avx512f, bf16 instructions: amx_bf16 avx512_bf16")
   arm = _describe(tmp_path, _GRAVITON3)

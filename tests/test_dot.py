@@ -134,6 +134,22 @@ def test_every_role_matches_the_hand_written_reference(name):
   assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32,) * 3
 
 
+def test_stochastic_per_tensor_operands_take_their_random_bits_in_the_gemm_layout():
+  """Per-tensor FP8 with stochastic rounding (no preset has it): each GEMM's
+  operand draws its bits in that GEMM's layout (X^T for Wgrad), as documented,
+  not in the array's own layout (the deterministic FP8 operands are quantized
+  before the layout change; random ones must not be)."""
+  sr = formats.QuantSpec("fp8_e4m3", rounding="stochastic")
+  r = Recipe("fp8-sr", **_same(sr))
+  x, w, dy = _normal(0, (2, 32, 96)), _normal(1, (96, 48)), _normal(2, (2, 32, 48))
+  y, dx, dw = _vjp(dot.dot_general(r), x, w, dy)
+  ry, rdx, rdw = jax.jit(lambda *a: _reference(r, *a))(
+      x.reshape(64, 96), w, dy.reshape(64, 48), KEY)
+  _close(y.reshape(64, 48), ry)
+  _close(dx.reshape(64, 96), rdx)
+  _close(dw, rdw)
+
+
 # The paper's stages and the study's contrasts, written out by hand (not from
 # fp4jax.recipes): AMD's MXFP4 cast is the even rule with nearest rounding.
 _EVEN, _FLOOR = formats.QuantSpec("mxfp4", scale_mode="even"), formats.QuantSpec("mxfp4")

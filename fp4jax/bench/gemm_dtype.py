@@ -1,4 +1,4 @@
-"""One GEMM on bf16 operands: bf16 x bf16 -> float32 against float32 x float32 and bf16 x bf16 -> bf16, time and bits.
+"""One GEMM on bf16 operands: bf16 -> float32 against float32 and bf16 -> bf16, time and bits.
 
   python -m fp4jax.bench gemm_dtype [--shapes 1024x128x384,1024x384x128,128x1024x384]
                                     [--repeats 50]
@@ -10,10 +10,10 @@ GEMM chooses. Printed: the fastest of `--repeats` round-robin calls of each,
 their ratio, and the fraction of output elements whose bf16 roundings differ
 (the float32 outputs differ only by round-off, so this counts bf16 rounding
 ties). This is the difference between a bf16 model's FP8 GEMMs in bf16 and in
-float32 (docs/numerics.md), and the one the `bf16` recipe's GEMMs on the CPU
-make against lax.dot_general's. Also timed: the bf16 x bf16 -> bf16 dot (no
-preferred type) of plain JAX, which jax 0.10.2 runs on the CPU as a float32
-GEMM.
+float32 (docs/numerics.md), and the one that plain_route="float32_output"
+makes against lax.dot_general's (fp4jax.dot, "Plain GEMMs"). Also timed: the
+bf16 x bf16 -> bf16 dot (no preferred type) of plain JAX, which jax 0.10.2
+runs on the CPU as a float32 GEMM.
 """
 
 import argparse
