@@ -235,12 +235,14 @@ def test_the_stress_table_reads_one_study_per_lr(tmp_path):
 
 # ------------------------------------------- declaration and committed results
 
-def _finished_run(path, status="completed", loss=3.0):
+def _finished_run(path, status="completed", loss=3.0, cfg=None):
+  """A finished run's records; config.json is `cfg`'s as the trainer writes it."""
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
     for step in (0, 2):
       f.write(json.dumps(dict(step=step, tokens=step * 10, eval_loss=loss + 2 - step)) + "\n")
-  for name, obj in (("summary.json", dict(status=status)), ("config.json", {}),
+  saved = {} if cfg is None else dict(json.loads(cfg.to_json()), resolved={})
+  for name, obj in (("summary.json", dict(status=status)), ("config.json", saved),
                     ("wall.json", dict(wall_s=1.0))):
     with open(os.path.join(path, name), "w") as f:
       json.dump(obj, f)
@@ -284,7 +286,7 @@ def test_the_study_resumes_from_the_results_folder(tmp_path, monkeypatch, capsys
   def fake_train(cfg, arm, seed, path):
     assert os.path.exists(os.path.join(results, declaration.RECORD))  # declared first
     trained.append(os.path.basename(path))
-    _finished_run(path, loss=3.0 + seed)
+    _finished_run(path, loss=3.0 + seed, cfg=ablation.run_config(config, arm, seed))
     return dict(status="completed")
 
   monkeypatch.setattr(ablation, "_train", fake_train)
@@ -293,7 +295,7 @@ def test_the_study_resumes_from_the_results_folder(tmp_path, monkeypatch, capsys
   decl = dict(DECLARATION, claims=DECLARATION["claims"][:1], validity=[])
   (tmp_path / "DECLARATION.json").write_text(json.dumps(decl))
   elsewhere = str(tmp_path / "elsewhere" / "A1_seed0")  # another machine's finished run
-  _finished_run(elsewhere)
+  _finished_run(elsewhere, cfg=ablation.run_config(config, ablation.arm_list(config)[1], 0))
   committed.publish(elsewhere, os.path.join(results, "A1_seed0"))
   with pytest.raises(errors.UserError, match="not recorded before the first run"):
     ablation.run_ablation(config, work, results)

@@ -16,6 +16,11 @@ finishes (fp4jax.experiments.committed), runs complete there are skipped
 report is written in FOLDER; --git_commit commits each finished run's folder
 (and the declaration record) on its own, nothing else.
 
+A study folder belongs to the config recorded in its ablation_config.json
+(never replaced); a rerun with another config, or finished runs trained with
+another, is refused naming the keys (fp4jax.experiments.study_config), or
+with --new_runs_beside trains in FOLDER/config-<hash>.
+
 Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.recipes       comma-separated preset names (DEFAULT_RECIPES)
   ablation.arms          instead of recipes: named arms separated by ";",
@@ -84,6 +89,7 @@ from fp4jax.experiments import arms as arms_lib
 from fp4jax.experiments import committed
 from fp4jax.experiments import declaration
 from fp4jax.experiments import report
+from fp4jax.experiments import study_config
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 DEFAULT_RECIPES = ("bf16", "fp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4", "mxfp4-sr",
@@ -212,12 +218,17 @@ def _add_wall(path, seconds):
   atomic.write_text(file, json.dumps({"wall_s": total + seconds}))
 
 
-def run_ablation(config, workdir, results=None, git_commit=False) -> list:
+def run_ablation(config, workdir, results=None, git_commit=False,
+                 new_runs_beside=False) -> list:
   """Runs (or resumes) every run of the ablation, then writes the report; returns its rows.
 
   results: None, or the folder that receives each finished run's records
   (committed.publish) and the report; runs complete there are skipped.
   git_commit: commit each published run folder (results only).
+  A study folder (results, else workdir) or a finished run of another config
+  is refused (UserError naming the keys) before anything runs, unless
+  new_runs_beside: then this config's study runs in FOLDER/config-<hash>
+  (fp4jax.experiments.study_config), the old runs left as they are.
   """
   arms = arm_list(config)
   names = [a.name for a in arms]
@@ -233,11 +244,24 @@ def run_ablation(config, workdir, results=None, git_commit=False) -> list:
   out = results or workdir
   workdir_lib.prepare(workdir)
   workdir_lib.prepare(out)
+  diffs = _other_config(config, workdir, results, runs)
+  if diffs and not new_runs_beside:
+    raise errors.UserError(
+        f"{out!r} holds a study run with another config ({diffs}); its runs are not "
+        "reused for this one. Rerun the config they were trained with, give another "
+        "--results / --workdir, or pass --new_runs_beside to train this config's runs in "
+        f"{study_config.beside(out, config)}")
+  if diffs:
+    beside = study_config.beside(out, config)
+    print(f"ablation: {out} holds a study run with another config ({diffs}); this "
+          f"config's runs go to {beside}", flush=True)
+    return run_ablation(config, study_config.beside(workdir, config),
+                        results and beside, git_commit)
   if config.ablation.declaration:
     _record_declaration(config.ablation.declaration, out, [p for _, _, p in runs], results,
                         git_commit)
   for folder in {workdir, out}:
-    atomic.write_text(os.path.join(folder, "ablation_config.json"), config.to_json(indent=2))
+    study_config.record(folder, config)
     workdir_lib.write_json(os.path.join(folder, "arms.json"), {
         a.name: dict(spec=a.spec, recipe=a.recipe.name) for a in arms})
   if config.ablation.compilation_cache:
@@ -264,6 +288,26 @@ def run_ablation(config, workdir, results=None, git_commit=False) -> list:
   if git_commit:
     committed.git_commit([results], f"{results}: report")
   return rows
+
+
+def _other_config(config, workdir, results, runs) -> str:
+  """"" when the study folders' records and every finished run belong to
+  `config`, else the differences shown (study_config)."""
+  for folder in dict.fromkeys([workdir, results or workdir]):
+    diffs = study_config.study_differences(folder, config)
+    if diffs:
+      return f"{os.path.join(folder, study_config.RECORD)}: {study_config.shown(diffs)}"
+  for arm, seed, path in runs:
+    done = _published(results, path) or (
+        path if _status(path) in committed.FINISHED else None)
+    if not done:
+      continue
+    diffs = study_config.run_differences(done, run_config(config, arm, seed))
+    if diffs is None:
+      return f"its finished run {done} has no config.json the trainer wrote"
+    if diffs:
+      return f"its finished run {done}: {study_config.shown(diffs)}"
+  return ""
 
 
 def _record_declaration(path, folder, run_paths, results, git_commit):
@@ -329,7 +373,8 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   try:
-    run_ablation(config, workdir, flags.FLAGS.results, flags.FLAGS.git_commit)
+    run_ablation(config, workdir, flags.FLAGS.results, flags.FLAGS.git_commit,
+                 flags.FLAGS.new_runs_beside)
   except errors.UserError as e:
     return errors.report(_PROG, e)
   return 0
@@ -348,4 +393,6 @@ if __name__ == "__main__":
   flags.DEFINE_string("results", None, "folder (kept in git) that receives each finished "
                       "run's records and the report; runs complete there are skipped")
   flags.DEFINE_boolean("git_commit", False, "commit each finished run's folder of --results")
+  flags.DEFINE_boolean("new_runs_beside", False, "when the folders hold a study of another "
+                       "config, train this config's runs in FOLDER/config-<hash> beside it")
   app.run(main, flags_parser=cli.flags_parser(_PROG))

@@ -238,12 +238,13 @@ class WorkdirLock:
 # The config on resume.
 
 
-def _flat(tree, prefix=""):
+def flat(tree, prefix=""):
+  """{"a.b.c": leaf} of a nested dict (dicts flattened, other values leaves)."""
   out = {}
   for key, value in tree.items():
     name = f"{prefix}{key}"
     if isinstance(value, dict):
-      out.update(_flat(value, name + "."))
+      out.update(flat(value, name + "."))
     else:
       out[name] = value
   return out
@@ -257,7 +258,7 @@ def _in_effect(flat, resolved):
   """`flat` with each None placeholder of model.* / quant.* replaced by the
   value in effect: the preset's, from a "resolved" block (model, recipe)."""
   known = {f"model.{k}": v for k, v in (resolved.get("model") or {}).items()}
-  known.update(_flat(resolved.get("recipe") or {}, "quant."))
+  known.update(flat(resolved.get("recipe") or {}, "quant."))
   return {k: known.get(k) if v is None and k in known else v
           for k, v in flat.items()}
 
@@ -273,8 +274,8 @@ def config_differences(requested, saved):
   not compared.
   """
   requested = json.loads(json.dumps(requested, default=json_default))
-  new_given = _flat({k: v for k, v in requested.items() if k != "resolved"})
-  old_given = _flat({k: v for k, v in saved.items() if k != "resolved"})
+  new_given = flat({k: v for k, v in requested.items() if k != "resolved"})
+  old_given = flat({k: v for k, v in saved.items() if k != "resolved"})
   new = _in_effect(new_given, requested.get("resolved", {}))
   old = _in_effect(old_given, saved.get("resolved") or {})
   return [(k, old[k], new[k]) for k in sorted(new.keys() & old.keys())
@@ -282,7 +283,7 @@ def config_differences(requested, saved):
           and not _resumable(k)]
 
 
-def _usable(saved):
+def usable_config(saved):
   """True for a config dict as the trainer writes it (not `[]`, not {})."""
   return (isinstance(saved, dict) and isinstance(saved.get("model"), dict)
           and isinstance(saved.get("quant"), dict)
@@ -302,7 +303,7 @@ def checkpoint_config(workdir):
         saved = json.load(f).get("config")
     except (OSError, ValueError, AttributeError):
       continue
-    if _usable(saved):
+    if usable_config(saved):
       return saved
   return None
 
@@ -325,7 +326,7 @@ def _saved_config(workdir):
   except (OSError, ValueError) as e:
     problem = f"cannot be read ({e})"
   else:
-    if not _usable(from_json):
+    if not usable_config(from_json):
       problem = (f"is not a config written by fp4jax's trainer (it holds a "
                  f"{type(from_json).__name__})")
   saved = checkpoint_config(workdir)

@@ -1,0 +1,110 @@
+"""A study's records belong to one config: a rerun with another is refused
+(or trains beside them), and a results folder's names stay inside it.
+
+The runs are faked (ablation._train writes a finished run's records), so
+these are fast: what is tested is which runs the runner reuses.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from fp4jax import errors
+from fp4jax.experiments import ablation
+from fp4jax.experiments import committed
+from fp4jax.experiments import study_config
+from fp4jax.train import config as train_config
+
+
+def _config():
+  config = train_config.base_config()
+  config.steps = 4
+  config.ablation = ablation.ablation_config()
+  config.ablation.recipes, config.ablation.compilation_cache = "bf16,fp8", ""
+  config.diagnostics = ablation.diagnostics_config()
+  config.diagnostics.enabled = False
+  return config
+
+
+def write_finished_run(path, cfg, status="completed"):
+  """A finished run's records as the trainer and the runner write them."""
+  os.makedirs(path, exist_ok=True)
+  rows = [dict(step=s, tokens=s * 10, eval_loss=5.0 - s) for s in (0, 2, 4)]
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in rows))
+  records = {"summary.json": dict(status=status, step=4),
+             "config.json": dict(json.loads(cfg.to_json()), resolved={}),
+             "wall.json": dict(wall_s=1.0)}
+  for name, obj in records.items():
+    with open(os.path.join(path, name), "w") as f:
+      json.dump(obj, f)
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+  trained = []
+
+  def fake_train(config, arm, seed, path):
+    trained.append(path)
+    write_finished_run(path, ablation.run_config(config, arm, seed))
+    return dict(status="completed")
+
+  monkeypatch.setattr(ablation, "_train", fake_train)
+  monkeypatch.setattr(ablation, "_report", lambda *args: [])
+  return trained
+
+
+@pytest.mark.parametrize("with_results", [False, True], ids=["workdir", "results"])
+def test_a_study_rerun_with_another_config_is_refused(tmp_path, fake_training,
+                                                      with_results):
+  work = str(tmp_path / "work")
+  results = str(tmp_path / "results") if with_results else None
+  out = results or work
+  config = _config()
+  ablation.run_ablation(config, work, results)
+  assert len(fake_training) == 2
+  record = (tmp_path / os.path.basename(out) / study_config.RECORD).read_text()
+  for key, value in (("steps", 6), ("lr", 1e-3)):
+    other = _config()
+    other[key] = value
+    with pytest.raises(errors.UserError, match=rf"{key}: .* -> {value}"):
+      ablation.run_ablation(other, work, results)
+    assert len(fake_training) == 2  # nothing trained, nothing overwritten
+    assert (tmp_path / os.path.basename(out) / study_config.RECORD).read_text() == record
+  # Without the study's record, the finished runs' own configs still tell.
+  os.remove(os.path.join(out, study_config.RECORD))
+  if results:
+    os.remove(os.path.join(work, study_config.RECORD))
+  with pytest.raises(errors.UserError, match=r"finished run .*bf16: lr: "):
+    ablation.run_ablation(other, work, results)
+  ablation.run_ablation(config, work, results)  # the same config: all reused
+  assert len(fake_training) == 2
+  # An explicit flag trains the other config beside the old runs.
+  ablation.run_ablation(other, work, results, new_runs_beside=True)
+  beside = study_config.beside(out, other)
+  assert len(fake_training) == 4
+  assert all(p.startswith(study_config.beside(work, other)) for p in fake_training[2:])
+  assert os.path.isfile(os.path.join(beside, "fp8", "config.json"))
+  assert json.loads(open(os.path.join(out, "bf16", "config.json")).read())["lr"] == config.lr
+
+
+def test_a_forged_manifest_does_not_make_a_run_complete(tmp_path):
+  run = tmp_path / "results" / "bf16"
+  write_finished_run(str(tmp_path / "work" / "bf16"), _config())
+  committed.publish(str(tmp_path / "work" / "bf16"), str(run))
+  assert committed.is_complete(str(run))
+  outside = tmp_path / "outside.txt"
+  outside.write_text("not a run's file")
+  digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+  manifest = json.loads((run / committed.MANIFEST).read_text())
+  for name in ("../../outside.txt", str(outside)):
+    forged = dict(manifest["files"], **{name: digest})
+    (run / committed.MANIFEST).write_text(json.dumps({"files": forged}))
+    assert not committed.is_complete(str(run)), forged
+  # A manifest of only some files: the run's own files are needed.
+  files = dict(manifest["files"])
+  del files["metrics.jsonl"]
+  (run / committed.MANIFEST).write_text(json.dumps({"files": files}))
+  assert not committed.is_complete(str(run))
