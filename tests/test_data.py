@@ -3,12 +3,14 @@
 import gzip
 import json
 import os
+import re
 import sys
 
 import numpy as np
 import pytest
 
 from fp4jax.data import pipeline
+from fp4jax.train import trainer
 from tests.helpers import BOS, EOS, expected_rows, TOK
 
 
@@ -243,6 +245,22 @@ def test_validation_windows_are_spread_through_the_held_out_stream(tmp_path, kin
   cfg.val_tokens = 5
   with pytest.raises(ValueError, match="fewer than one window"):
     pipeline.validation_windows(cfg, TOK, seq_len=7, batch_size=1, num_batches=1)
+
+
+def test_overlapping_validation_windows_give_no_standard_error(tmp_path):
+  """About two windows of text with 64 windows asked: said, and the standard
+  error of the batch means is unknown (None) instead of 64 windows' worth."""
+  (tmp_path / "v.txt").write_text("x" * 150)  # 152 tokens: two windows of 65
+  cfg = _cfg(source="files", path=str(tmp_path / "v.txt"), val_path=str(tmp_path / "v.txt"))
+  got = pipeline.validation_windows(cfg, TOK, seq_len=64, batch_size=8, num_batches=8)
+  assert re.search(r"the 64 evaluation windows \(eval_batches 8 x eval batch size 8\) "
+                   r"of seq_len \+ 1 = 65 tokens overlap: the validation text has 152 "
+                   r"tokens, so they start 1\.4 tokens apart", got.overlap), got.overlap
+  losses = lambda params, batch, i: np.float32(i % 3)
+  assert trainer._evaluate(losses, None, got)["eval_loss_se"] is None
+  disjoint = pipeline.validation_windows(cfg, TOK, seq_len=64, batch_size=1, num_batches=2)
+  assert disjoint.overlap == ""
+  assert trainer._evaluate(losses, None, disjoint)["eval_loss_se"] > 0
 
 
 def test_stdlib_validation_windows_do_not_start_at_file_openings():

@@ -49,6 +49,7 @@ import collections
 import glob
 import gzip
 import hashlib
+import math
 import os
 import sysconfig
 
@@ -519,6 +520,9 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   whole stream, so the batch means are alike and their spread gives the
   evaluation's standard error. A function of the config only: the same
   windows for every run, seed and recipe. Process p gets rows p*b .. p*b+b-1.
+  Returns a Windows list, whose `overlap` says when windows overlap (a
+  validation text shorter than the windows asked): then the batch means are
+  not independent and give no standard error.
   """
   if seq_len < 1 or batch_size < 1 or num_batches < 1:
     raise ValueError(f"seq_len ({seq_len}), batch size ({batch_size}) and "
@@ -535,4 +539,18 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   per_process = batch_size // process_count
   mine = windows_BxNxL[process_index * per_process:
                        (process_index + 1) * per_process]
-  return [np.ascontiguousarray(mine[:, i]) for i in range(num_batches)]
+  out = Windows(np.ascontiguousarray(mine[:, i]) for i in range(num_batches))
+  spacing = (stream.size - length) / (n - 1) if n > 1 else math.inf
+  if spacing < length:
+    out.overlap = (
+        f"the {n} evaluation windows (eval_batches {num_batches} x eval batch "
+        f"size {batch_size}) of seq_len + 1 = {length} tokens overlap: the "
+        f"validation text has {stream.size:,} tokens, so they start "
+        f"{spacing:.1f} tokens apart and their losses are not independent")
+  return out
+
+
+class Windows(list):
+  """validation_windows' batches; `overlap`: "" when the windows are
+  disjoint, else why their batch means give no standard error."""
+  overlap = ""

@@ -299,13 +299,14 @@ def _evaluate(eval_fn, params, val_batches):
 
   The batches are equal-sized and each spans the whole validation stream
   (pipeline.validation_windows), so the standard error is std(batch means) /
-  sqrt(batches) (None with one batch). Every run evaluates the same batches,
-  so two runs' batch means give the standard error of their difference.
+  sqrt(batches) (None with one batch, or when the windows overlap: a
+  pipeline.Windows whose `overlap` says why). Every run evaluates the same batches, so two runs'
+  batch means give the standard error of their difference.
   """
   losses = np.asarray(jax.device_get(
       [eval_fn(params, b, i) for i, b in enumerate(val_batches)]), np.float64)
   se = (float(losses.std(ddof=1) / math.sqrt(losses.size))
-        if losses.size > 1 else None)
+        if losses.size > 1 and not getattr(val_batches, "overlap", "") else None)
   return dict(eval_loss=float(losses.mean()), eval_loss_se=se,
               eval_batch_losses=[round(float(x), 6) for x in losses])
 
@@ -445,7 +446,12 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
         f"{segs[0].recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
         flush=True)
-  val_batches = [sharding.global_batch(b, mesh) for b in val_local]
+  val_batches = pipeline.Windows(sharding.global_batch(b, mesh) for b in val_local)
+  val_batches.overlap = val_local.overlap
+  if val_batches.overlap and main:
+    print(f"fp4jax: warning: {val_batches.overlap}; eval_loss_se is reported as "
+          "unknown (null). Ask fewer windows (eval_batches x eval_batch_size) or "
+          "give more validation text.", file=sys.stderr, flush=True)
   sinks = ([wandb_log.open_run(config.wandb, workdir, config.to_dict())]
            if main and config.wandb.enabled else [])
   log = MetricsLog(workdir, total_steps=config.steps, start_step=start,
