@@ -560,3 +560,11 @@ def test_a_workdir_that_is_a_dangling_symlink_is_named(tmp_path):
   with pytest.raises(errors.UserError, match=r"symbolic link to '.*gone', "
                      "which does not exist"):
     workdir_lib.prepare(str(tmp_path / "run"))
+
+
+def test_a_run_records_its_tokenizer_with_the_checkpoint(trained):
+  """What the resume and export checks compare (tokenizers.identity)."""
+  saved = workdir_lib.checkpoint_config(str(trained))
+  assert saved["resolved"]["tokenizer"] == dict(path="bytes", sha256=None)
+  assert json.loads((trained / "config.json").read_text())["resolved"]["tokenizer"] == (
+      saved["resolved"]["tokenizer"])

@@ -6,8 +6,11 @@ import json
 import numpy as np
 import pytest
 
+from fp4jax import errors
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers as fp4tok
+from fp4jax.train import workdir as workdir_lib
+from tests.helpers import tiny_config
 
 CORPUS = ["def f(x):\n  return x + 1\n", "héllo wörld, ∑ and 🙂",
           "the quick brown fox jumps over the lazy dog"] * 20
@@ -127,3 +130,33 @@ def test_missing_optional_package_names_the_extra(monkeypatch, name, cls):
   monkeypatch.setattr(fp4tok.importlib, "import_module", fake_import)
   with pytest.raises(ImportError, match=rf"`{name}` is not installed.*fp4jax\[tokenizers\]"):
     cls("some/file")
+
+
+def test_a_relative_tokenizer_from_another_directory_is_refused(tmp_path, monkeypatch):
+  """A run with data.tokenizer "tok" records tok's absolute path and hash: a
+  resume from another directory with another "tok" is refused, and export
+  reads the recorded file (and refuses it once changed)."""
+  for name, specials in (("a", ["<s>", "</s>"]), ("b", ["</s>", "<s>"])):
+    (tmp_path / name / "tok").mkdir(parents=True)
+    _hf_tokenizer(tmp_path / name / "tok", specials)
+  monkeypatch.chdir(tmp_path / "a")
+  record = fp4tok.identity("tok")
+  assert record["path"] == str(tmp_path / "a" / "tok" / "tokenizer.json")
+  config = tiny_config()
+  config.data.tokenizer = "tok"
+  run = tmp_path / "run"
+  (run / "checkpoints" / "4" / "state").mkdir(parents=True)
+  (run / "checkpoints" / "4" / "data").mkdir()
+  resolved = dict(model={}, recipe={}, tokenizer=record)
+  (run / "checkpoints" / "4" / "data" / "metadata").write_text(json.dumps(
+      {"processes": [], "config": dict(config.to_dict(), resolved=resolved)}))
+  assert workdir_lib.check_resume_config(str(run), config, resolved) == []
+  monkeypatch.chdir(tmp_path / "b")
+  now = dict(resolved, tokenizer=fp4tok.identity("tok"))
+  with pytest.raises(errors.UserError, match=r"data.tokenizer: '/.*/a/tok/tokenizer.json "
+                     r"\(sha256 \w+\)' -> '/.*/b/tok/tokenizer.json"):
+    workdir_lib.check_resume_config(str(run), config, now)
+  assert fp4tok.recorded("tok", record) == record["path"]  # export: the run's own
+  (tmp_path / "a" / "tok" / "tokenizer_config.json").write_text('{"bos_token": "</s>"}')
+  with pytest.raises(ValueError, match=r"a/tok/tokenizer.json changed since the run"):
+    fp4tok.recorded("tok", record)

@@ -4,7 +4,9 @@ Every tokenizer has `.vocab_size`, `.bos_id`, `.eos_id`, `.encode(text) ->
 int32[n]` (no special tokens added) and `.decode(ids) -> str`. The data
 pipeline adds BOS/EOS itself.
 
-`make_tokenizer(name_or_path)` accepts:
+`identity(name_or_path)` is the absolute path and content hash a run
+records, so that a resume or an export can tell when a relative path now
+names another tokenizer. `make_tokenizer(name_or_path)` accepts:
   "bytes"                 UTF-8 bytes 0..255, BOS 256, EOS 257; vocab_size 288
                           (padded to a multiple of 32, so the vocab axis fills
                           whole MX blocks and shards evenly).
@@ -15,6 +17,7 @@ pipeline adds BOS/EOS itself.
                           found among the usual special-token names.
 """
 
+import hashlib
 import importlib
 import json
 import os
@@ -22,6 +25,8 @@ import os
 import numpy as np
 
 _EXTRAS_HINT = "pip install 'fp4jax[tokenizers]'"
+# Files beside a tokenizer file that are part of it (special tokens).
+FILES_BESIDE = ("tokenizer_config.json", "special_tokens_map.json")
 # Special-token names tried, in order, when no tokenizer_config.json says.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[EOS]")
@@ -119,10 +124,8 @@ def _special_names(directory):
   return name("bos_token"), name("eos_token")
 
 
-def make_tokenizer(name_or_path):
-  """"bytes", a SentencePiece .model path, or a tokenizer.json (or its dir)."""
-  if name_or_path == "bytes":
-    return ByteTokenizer()
+def _file_of(name_or_path):
+  """The tokenizer file a data.tokenizer other than "bytes" names."""
   path = str(name_or_path)
   if os.path.isdir(path):
     path = os.path.join(path, "tokenizer.json")
@@ -133,6 +136,52 @@ def make_tokenizer(name_or_path):
         "(or a directory holding one).")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"tokenizer file {path!r} does not exist.")
+  return path
+
+
+def identity(name_or_path):
+  """What a run's tokenizer is: {"path": the tokenizer file's absolute path
+  ("bytes" for the byte tokenizer), "sha256": of its bytes and (Hugging
+  Face) those of the files beside it that set its special tokens (None for
+  "bytes")}."""
+  if name_or_path == "bytes":
+    return dict(path="bytes", sha256=None)
+  path = os.path.abspath(_file_of(name_or_path))
+  digest = hashlib.sha256()
+  beside = FILES_BESIDE if path.endswith(".json") else ()
+  for file in [path] + [os.path.join(os.path.dirname(path), name)
+                        for name in beside]:
+    if os.path.isfile(file):
+      with open(file, "rb") as f:
+        digest.update(os.path.basename(file).encode() + b"\0" + f.read())
+  return dict(path=path, sha256=digest.hexdigest())
+
+
+def recorded(name_or_path, record):
+  """The tokenizer a run used: `record` (its identity() as the run recorded
+  it, or None for runs from before) names the file by its absolute path,
+  wherever the reader runs; ValueError when that file is gone or its
+  content changed. Without a record, `name_or_path` itself."""
+  if not isinstance(record, dict) or record.get("path") in (None, "bytes"):
+    return name_or_path
+  path = record["path"]
+  try:
+    now = identity(path)
+  except (ValueError, OSError) as e:
+    raise ValueError(f"the run's tokenizer {path} is gone ({e})") from None
+  if now != record:
+    raise ValueError(
+        f"the run's tokenizer {path} changed since the run (sha256 "
+        f"{str(record.get('sha256'))[:12]} -> {now['sha256'][:12]}); restore "
+        "the files it was trained with")
+  return path
+
+
+def make_tokenizer(name_or_path):
+  """"bytes", a SentencePiece .model path, or a tokenizer.json (or its dir)."""
+  if name_or_path == "bytes":
+    return ByteTokenizer()
+  path = _file_of(name_or_path)
   kind = SentencePieceTokenizer if path.endswith(".model") else (
       HuggingFaceTokenizer)
   try:

@@ -1,7 +1,8 @@
 """Export an fp4jax run as a Hugging Face Llama directory (CLI).
 
   python -m fp4jax.convert export RUN_DIR OUT_DIR [--step N] \\
-      [--dtype float32|bfloat16] [--max_shard_gb 5] [--overwrite]
+      [--dtype float32|bfloat16] [--max_shard_gb 5] [--overwrite] \\
+      [--quantize nvfp4|mxfp4 [--layout compressed-tensors|modelopt]]
 
 writes a directory that `transformers.AutoModelForCausalLM.from_pretrained`
 loads as a `LlamaForCausalLM` (no custom code): config.json, the weights as
@@ -10,7 +11,10 @@ model.safetensors.index.json above --max_shard_gb) and the run's tokenizer:
 a Hugging Face tokenizer's files are copied, fp4jax's byte tokenizer is
 written as a byte-level tokenizer.json with the same ids. The names and
 layouts are those of fp4jax.llama.hf; the other way is
-`--config.init_from` (fp4jax.train.init_from). Bad input: one line, exit code 2.
+`--config.init_from` (fp4jax.train.init_from). With --quantize, the block
+linears are written packed in FP4 (fp4jax.train.export_fp4: the trained
+forward's codes and scales when it computed in that format), the other
+tensors in --dtype. Bad input: one line, exit code 2.
 
 The export is written into OUT_DIR.partial beside OUT_DIR and renamed to
 OUT_DIR once complete, so a killed export leaves no OUT_DIR (only the
@@ -34,6 +38,7 @@ import safetensors.numpy
 from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax.train import atomic
+from fp4jax.train import export_fp4
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import abstract_params
 from fp4jax.llama.hf import ConvertError
@@ -90,13 +95,14 @@ def run_step(run_dir, step=None):
 # Export.
 
 
-def _shards(table, cfg, dtype, max_bytes):
+def _shards(table, cfg, dtype, max_bytes, packed=None):
   """Splits the table's rows into files of at most max_bytes (>= 1 row each)."""
   shapes, itemsize = param_shapes(cfg), np.dtype(dtype).itemsize
   files, size = [[]], 0
   for row in table:
     shape = shapes[row[1]][1:] if row[2] is not None else shapes[row[1]]
-    nbytes = math.prod(shape) * itemsize
+    nbytes = (packed.nbytes(shape) if packed and packed.is_packed(row) else
+              math.prod(shape) * itemsize)
     if files[-1] and size + nbytes > max_bytes:
       files.append([])
       size = 0
@@ -189,14 +195,15 @@ def _write_tokenizer(tokenizer, tok, out_dir, max_length):
   return f"tokenizer: copied {copied} from {directory!r}"
 
 
-def write_weights(params, cfg, out_dir, dtype, max_bytes):
+def write_weights(params, cfg, out_dir, dtype, max_bytes, packed=None):
   """Writes `params` (of LlamaConfig cfg) as Hugging Face safetensors.
 
   One model.safetensors, or model-0000i-of-0000n.safetensors files of at most
   `max_bytes` each (one tensor may exceed it) with model.safetensors.index.json.
-  Returns (number of files, bytes of tensor data).
+  packed: an export_fp4.PackedExport whose layers are written packed (the
+  others in `dtype`), or None. Returns (number of files, bytes of tensor data).
   """
-  files = _shards(tensor_table(cfg), cfg, dtype, max_bytes)
+  files = _shards(tensor_table(cfg), cfg, dtype, max_bytes, packed)
   names = ([SINGLE_FILE] if len(files) == 1 else
            [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             for i in range(len(files))])
@@ -208,9 +215,14 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes):
       for key in path:
         leaf = leaf[key]
       x = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
-      tensors[name] = np.ascontiguousarray(to_hf(layout, x).astype(dtype))
-      weight_map[name] = file_name
-      total += tensors[name].nbytes
+      if packed and packed.is_packed((name, path, layer, layout)):
+        written = packed.tensors((name, path, layer, layout), x)
+      else:
+        written = {name: np.ascontiguousarray(to_hf(layout, x).astype(dtype))}
+      for key, value in written.items():
+        tensors[key] = value
+        weight_map[key] = file_name
+        total += value.nbytes
     target = os.path.join(out_dir, file_name)
     safetensors.numpy.save_file(tensors, target, metadata={"format": "pt"})
     os.chmod(target, 0o666 & ~atomic.umask())  # safetensors writes 0600
@@ -233,12 +245,15 @@ def _check_target(out_dir, overwrite):
 
 
 def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
-           overwrite=False):
+           overwrite=False, quantize=None, layout=None):
   """Writes the run's checkpoint `step` (default newest) as a HF Llama.
 
   Written into `out_dir`.partial and renamed to `out_dir` when complete; an
   existing `out_dir` is refused unless `overwrite` (see the module doc).
-  Returns the lines of a short report (files written, tokenizer).
+  quantize: None (dense) or "nvfp4" / "mxfp4", written in `layout` (default
+  "compressed-tensors"; fp4jax.train.export_fp4). Returns the lines of a
+  short report (files written, a post-training quantization notice,
+  tokenizer).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
@@ -246,19 +261,25 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
     raise ConvertError(f"--max_shard_gb must be > 0, got {max_shard_gb}")
   out_dir = os.path.normpath(out_dir)
   _check_target(out_dir, overwrite)
+  if layout is not None and quantize is None:
+    raise ConvertError(f"--layout {layout!r} needs --quantize (nvfp4 or "
+                       "mxfp4); a dense export has one layout")
   config, cfg = run_config(run_dir)
   step = run_step(run_dir, step)
+  packed = None if quantize is None else export_fp4.PackedExport(
+      config, cfg, step, quantize, layout or "compressed-tensors")
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
-  tok = _run_tokenizer(tokenizer)
+  tokenizer, tok = _run_tokenizer(tokenizer, config.get("resolved", {}).get("tokenizer"))
   partial = out_dir + ".partial"
   if os.path.isdir(partial):
     shutil.rmtree(partial)  # left by a killed export
   try:
     os.makedirs(partial)
     n_files, total, tokenizer_line = _write_export(
-        partial, config, cfg, params, tokenizer, tok, dtype, max_shard_gb)
+        partial, config, cfg, params, tokenizer, tok, dtype, max_shard_gb,
+        packed)
     atomic.replace_dir(partial, out_dir)
   except BaseException as e:
     if os.path.isdir(partial):
@@ -268,32 +289,47 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
       raise errors.disk_full(out_dir, needed * np.dtype(
           EXPORT_DTYPES[dtype]).itemsize) from None
     raise
+  kind = dtype if packed is None else (
+      f"{quantize} in the {packed.layout} layout, the rest {dtype}")
+  notice = packed and packed.notice()
   return [f"wrote {out_dir}: step {step} of {run_dir}, "
           f"{len(tensor_table(cfg))} tensors, "
-          f"{total:,} bytes ({dtype}) in {n_files} file(s)", tokenizer_line]
+          f"{total:,} bytes ({kind}) in {n_files} file(s)",
+          *([notice] if notice else []), tokenizer_line]
 
 
 def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
-                  max_shard_gb):
-  """Writes weights, config.json and tokenizer into `out_dir`; returns
-  (number of weight files, bytes of tensor data, the tokenizer's line)."""
+                  max_shard_gb, packed):
+  """Writes weights, config.json (and a packed layout's config) and tokenizer
+  into `out_dir`; returns (number of weight files, bytes of tensor data, the
+  tokenizer's line)."""
   n_files, total = write_weights(params, cfg, out_dir, EXPORT_DTYPES[dtype],
-                                 max_shard_gb * 1e9)
+                                 max_shard_gb * 1e9, packed)
   # The context RoPE scaling extends to (or the run's, when longer).
   max_positions = max(int(config.get("seq_len", 0)),
                       int(cfg.rope_original_context * cfg.rope_factor))
   hf = hf_config(cfg, bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=dtype,
                  max_positions=max_positions)
+  table = tensor_table(cfg)
+  if packed and packed.quantization_config(table):
+    hf["quantization_config"] = packed.quantization_config(table)
   with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
+  if packed and packed.modelopt_config(table):
+    with open(os.path.join(out_dir, export_fp4.MODELOPT_CONFIG), "w",
+              encoding="utf-8") as f:
+      json.dump(packed.modelopt_config(table), f, indent=2)
   return n_files, total, _write_tokenizer(tokenizer, tok, out_dir,
                                           max_positions)
 
 
-def _run_tokenizer(tokenizer):
+def _run_tokenizer(tokenizer, record):
+  """(path, tokenizer) of the run's data.tokenizer, found by the identity it
+  recorded (tokenizers.recorded)."""
   from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
   try:
-    return tokenizers.make_tokenizer(tokenizer)
+    path = tokenizers.recorded(tokenizer, record)
+    return path, tokenizers.make_tokenizer(path)
   except (ValueError, OSError, ImportError) as e:
     raise ConvertError(f"the run's data.tokenizer {tokenizer!r}: {e}") from e
 
@@ -315,11 +351,17 @@ def main(argv=None):
   exp.add_argument("--overwrite", action="store_true",
                    help="replace an existing OUT_DIR (once the new export "
                    "is complete)")
+  exp.add_argument("--quantize", default=None,
+                   help="write the block linears packed: nvfp4 or mxfp4")
+  exp.add_argument("--layout", default=None,
+                   help="of a packed export: compressed-tensors (default; "
+                   "vLLM, SGLang) or modelopt (NVFP4; TensorRT-LLM)")
   args = parser.parse_args(argv)
   try:
     lines = export(args.run_dir, args.out_dir, step=args.step,
                    dtype=args.dtype, max_shard_gb=args.max_shard_gb,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, quantize=args.quantize,
+                   layout=args.layout)
   except (ConvertError, errors.UserError, OSError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2

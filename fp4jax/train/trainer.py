@@ -347,7 +347,9 @@ def train(config, workdir, callbacks=(), *, override_resume=False,
   try:
     workdir_lib.check_resume_config(workdir, config, dict(
         model=dataclasses.asdict(model_cfg),
-        recipe=segs[0].recipe.to_config().to_dict()), override=override_resume)
+        recipe=segs[0].recipe.to_config().to_dict(),
+        tokenizer=tokenizers.identity(config.data.tokenizer)),
+                                    override=override_resume)
     return _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                 batches, val_local, nan_steps, override_resume)
   finally:
@@ -534,6 +536,7 @@ def _resolved_config(config, model_cfg, segs, mesh, n_params, start):
   resolved["resolved"] = dict(
       model=dataclasses.asdict(model_cfg),
       recipe=segs[0].recipe.to_config().to_dict(),
+      tokenizer=tokenizers.identity(config.data.tokenizer),
       n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
       resumed_from_step=start,
       quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])

@@ -254,13 +254,14 @@ def _resumable(key):
   return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
 
-def _in_effect(flat, resolved):
-  """`flat` with each None placeholder of model.* / quant.* replaced by the
-  value in effect: the preset's, from a "resolved" block (model, recipe)."""
+def _in_effect(given, resolved):
+  """`given` (flat keys) with each None placeholder of model.* / quant.*
+  replaced by the value in effect: the preset's, from a "resolved" block
+  (model, recipe)."""
   known = {f"model.{k}": v for k, v in (resolved.get("model") or {}).items()}
   known.update(flat(resolved.get("recipe") or {}, "quant."))
   return {k: known.get(k) if v is None and k in known else v
-          for k, v in flat.items()}
+          for k, v in given.items()}
 
 
 def config_differences(requested, saved):
@@ -348,12 +349,24 @@ def _saved_config(workdir):
   return None, None
 
 
+def _tokenizer_difference(resolved, saved_resolved):
+  """[("data.tokenizer", saved, now)] when the run recorded its tokenizer
+  (fp4jax.data.tokenizers.identity: absolute path, content hash) and the
+  tokenizer now is another file or other content; else []."""
+  saved, now = saved_resolved.get("tokenizer"), resolved.get("tokenizer")
+  if not isinstance(saved, dict) or now is None or saved == now:
+    return []
+  show = lambda t: f"{t.get('path')} (sha256 {str(t.get('sha256'))[:12]})"
+  return [("data.tokenizer", show(saved), show(now))]
+
+
 def check_resume_config(workdir, config, resolved, *, override=False):
   """Refuses to continue `workdir` with a config that changes fixed keys.
 
   resolved: the "resolved" block of `config` (model: the LlamaConfig
   fields, recipe: the Recipe's config) that gives a preset's placeholders
-  their values. Returns the differing keys (empty when the workdir holds no
+  their values, and tokenizer: its identity, compared with the one the run
+  recorded (a relative data.tokenizer may name another folder now). Returns the differing keys (empty when the workdir holds no
   run or nothing fixed differs); WorkdirError unless `override` when there
   are, or when the workdir's config cannot be known.
   """
@@ -366,7 +379,8 @@ def check_resume_config(workdir, config, resolved, *, override=False):
     saved, source = None, None
   if saved is None:
     return []
-  diffs = config_differences(requested, saved)
+  diffs = config_differences(requested, saved) + _tokenizer_difference(
+      requested["resolved"], saved.get("resolved") or {})
   if diffs and not override:
     shown = ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in diffs[:6])
     more = f" and {len(diffs) - 6} more" if len(diffs) > 6 else ""
