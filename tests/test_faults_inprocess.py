@@ -19,11 +19,13 @@ import pytest
 
 from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax import recipes
 from fp4jax.data import identity
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.experiments import report
 from fp4jax.train import atomic
+from fp4jax.train import config as train_config
 from fp4jax.train import export
 from fp4jax.train import metrics_log
 from fp4jax.train import plot
@@ -396,9 +398,10 @@ def test_a_stall_is_found_once_after_a_window():
 # The resume check reads the config the checkpoint carries.
 
 
-def _resolved(n_layers=1):
+def _resolved(n_layers=1, recipe="bf16"):
+  quant = recipes.config_template(recipe)
   return dict(model=dict(n_layers=n_layers, dim=64),
-              recipe=dict(name="bf16", wgrad=dict(hadamard=dict(block=0))))
+              recipe=train_config.resolve_recipe(quant, "float32").to_config().to_dict())
 
 
 def _checkpointed(workdir, saved, step=4):
@@ -419,7 +422,7 @@ def test_the_resume_check_needs_no_config_json(tmp_path):
                        r"quant.name: 'bf16' -> 'fp8'"):
       workdir_lib.check_resume_config(str(tmp_path),
                                       tiny_config(**{"quant.name": "fp8"}),
-                                      _resolved())
+                                      _resolved(recipe="fp8"))
     assert workdir_lib.check_resume_config(str(tmp_path), tiny_config(steps=9),
                                            _resolved()) == []
 

@@ -254,34 +254,46 @@ def _resumable(key):
   return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
 
-def _in_effect(given, resolved):
-  """`given` (flat keys) with each None placeholder of model.* / quant.*
-  replaced by the value in effect: the preset's, from a "resolved" block
-  (model, recipe)."""
-  known = {f"model.{k}": v for k, v in (resolved.get("model") or {}).items()}
-  known.update(flat(resolved.get("recipe") or {}, "quant."))
-  return {k: known.get(k) if v is None and k in known else v
-          for k, v in given.items()}
+# Config blocks compared by what they resolve to ("resolved" block's key).
+_RESOLVED_BLOCKS = {"model": "model", "quant": "recipe"}
+
+
+def _in_effect(tree):
+  """{flat key: value} of a resolved config dict, the model.* and quant.*
+  keys as they resolved (the LlamaConfig fields, the Recipe's config) where
+  its "resolved" block has them, so a preset's None placeholder stands for
+  the preset's value and an override equal to it changes nothing."""
+  resolved = tree.get("resolved") or {}
+  out = {}
+  for key, value in tree.items():
+    if key == "resolved":
+      continue
+    block = resolved.get(_RESOLVED_BLOCKS.get(key))
+    if isinstance(block, dict):
+      out.update(flat(block, f"{key}."))
+    else:
+      out.update(flat({key: value}))
+  return out
 
 
 def config_differences(requested, saved):
   """[(key, saved value, requested value)] of the keys that may not change.
 
   requested, saved: resolved config dicts (as in config.json: the config
-  and its "resolved" block). A key differs when it was given another value
-  and that changes the value in effect (a preset's None placeholder stands
-  for the preset's value, which is what is shown). Keys only one side has
-  (a key added to or removed from fp4jax since the workdir was written) are
-  not compared.
+  and its "resolved" block). model and quant are compared by the values in
+  effect (_in_effect: what shows is never a placeholder); a change of name
+  (model.name, quant.name) comes first, and a recipe whose name alone
+  differs (an override that names a value already in effect) is the same. Keys only one side has (a key added
+  to or removed from fp4jax since the workdir was written) are not compared.
   """
   requested = json.loads(json.dumps(requested, default=json_default))
-  new_given = flat({k: v for k, v in requested.items() if k != "resolved"})
-  old_given = flat({k: v for k, v in saved.items() if k != "resolved"})
-  new = _in_effect(new_given, requested.get("resolved", {}))
-  old = _in_effect(old_given, saved.get("resolved") or {})
-  return [(k, old[k], new[k]) for k in sorted(new.keys() & old.keys())
-          if new_given[k] != old_given[k] and new[k] != old[k]
-          and not _resumable(k)]
+  new, old = _in_effect(requested), _in_effect(saved)
+  keys = sorted(new.keys() & old.keys(), key=lambda k: (k.count(".") > 1, k))
+  diffs = [(k, old[k], new[k]) for k in keys
+           if new[k] != old[k] and not _resumable(k)]
+  if [k for k, _, _ in diffs if k.startswith("quant.")] == ["quant.name"]:
+    diffs = [d for d in diffs if d[0] != "quant.name"]  # a label, same recipe
+  return diffs
 
 
 def usable_config(saved):
