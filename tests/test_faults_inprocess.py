@@ -571,3 +571,20 @@ def test_a_run_records_its_tokenizer_with_the_checkpoint(trained):
   assert saved["resolved"]["tokenizer"] == dict(path="bytes", sha256=None)
   assert json.loads((trained / "config.json").read_text())["resolved"]["tokenizer"] == (
       saved["resolved"]["tokenizer"])
+
+
+def test_tokens_only_grow_across_a_seq_len_override(trained, tmp_path):
+  """Resumed at step 8 with seq_len 16 (from 32), then at 12 with 8: every
+  reported token count continues from the one before (the second from the
+  count its checkpoint kept)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  trainer.train(tiny_config(**STEPS, steps=12, seq_len=16, checkpoint_every=2),
+                str(workdir), override_resume=True)
+  summary = trainer.train(tiny_config(**STEPS, steps=14, seq_len=8), str(workdir),
+                          override_resume=True)
+  rows = read_metrics(str(workdir))
+  tokens = [r["tokens"] for r in rows]
+  assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+  expected = 8 * 8 * 32 + 4 * 8 * 16 + 2 * 8 * 8
+  assert tokens[-1] == summary["tokens"] == expected

@@ -158,7 +158,7 @@ class _SaveOnError:
     if jax.process_count() > 1:  # saving needs every process: not on one's error
       return False
     step = int(self._state.step)
-    self._ckpts.save(step, self._state, self._checkpoint_data())
+    self._ckpts.save(step, self._state, self._checkpoint_data(step))
     self._ckpts.wait()
     print(f"fp4jax: stopping at step {step} on {type(error).__name__}; saved "
           f"a checkpoint at step {step} first.", file=sys.stderr, flush=True)
@@ -408,7 +408,8 @@ class _Run:
   callbacks: Any
   ckpts: Any
   log: Any
-  checkpoint_data: Any   # () -> the checkpoint's JSON item
+  checkpoint_data: Any   # step -> the checkpoint's JSON item
+  tokens_at: Any         # step -> tokens trained by then (_TokenCount)
   main: bool
   meter: Any             # throughput.Meter: tokens/s -> model TFLOP/s per device, MFU
   window: Any            # profile.Window
@@ -431,10 +432,12 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
                       keep=config.keep_checkpoints,
                       async_save=config.async_checkpointing)
-  state, controller = _first_state(config, model_cfg, segment_programs[0],
-                                   ckpts, batches, init_source, workdir,
-                                   override_resume)
+  state, controller, tokens_at_start = _first_state(
+      config, model_cfg, segment_programs[0], ckpts, batches, init_source,
+      workdir, override_resume)
   start = int(state.step)
+  tokens_at = _TokenCount(start, tokens_at_start,
+                          config.batch_size * config.seq_len)
   if main:
     workdir_lib.set_aside_history(workdir, start)
   n_params = sum(math.prod(x.shape) for x in
@@ -443,7 +446,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   if main:
     workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
   checkpoint_data = functools.partial(_checkpoint_data, batches, controller,
-                                      resolved)
+                                      resolved, tokens_at)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
         f"{segs[0].recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
@@ -469,7 +472,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                          for p in segment_programs],
                val_batches=val_batches, controller=controller,
                callbacks=callbacks, ckpts=ckpts, log=log,
-               checkpoint_data=checkpoint_data, main=main, meter=meter,
+               checkpoint_data=checkpoint_data, tokens_at=tokens_at,
+               main=main, meter=meter,
                window=window)
     state, seg = _loop(run, state, out, timer, signals)
     if out.eval_loss is None and out.status != "diverged":  # resumed a finished run
@@ -477,7 +481,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                                 val_batches)["eval_loss"]
       out.eval_step = out.step
     if out.status != "diverged" and out.step > 0:
-      ckpts.save(out.step, state, checkpoint_data())
+      ckpts.save(out.step, state, checkpoint_data(out.step))
     ckpts.wait()
   window.close()
   ckpts.close()
@@ -485,7 +489,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   if out.status == "completed" and out.stall.found:
     out.status, out.message = "stalled", f"the run {out.stall.found}"
   summary = _summary(config, out, timer, state, segs[0].recipe, n_params,
-                     start, t_start)
+                     start, t_start, tokens_at)
   summary.update({"model_tflops_per_device": None, "mfu": None,
                   **(meter(summary["tokens_per_s"]) if summary["tokens_per_s"] else {})})
   if controller is not None:
@@ -498,13 +502,14 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
 
 def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
                  workdir, override_resume):
-  """(TrainState, adaptive.Controller or None) to start from.
+  """(TrainState, adaptive.Controller or None, tokens trained) to start from.
 
   The newest readable checkpoint's (which also sets the data position, see
   _restore_data_state, and the controller's decisions), else a fresh init
   (with init_source's parameters).
   """
   restored = ckpts.restore_latest(programs.abstract)
+  tokens = 0
   if restored is None:
     state = programs.init(programs.params_key)
     if init_source is not None:
@@ -512,19 +517,46 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
   else:
     step, state, data_state = restored
     _restore_data_state(batches, data_state, step, workdir, override_resume)
+    tokens = _saved_tokens(data_state, step, config)
   controller = None
   if config.adaptive_wgrad.enabled:
     controller = adaptive.Controller(config.adaptive_wgrad, model_cfg, config.seed)
     if restored is not None and "adaptive_wgrad" in data_state:
       controller.decisions.load_state_dict(data_state["adaptive_wgrad"])
-  return state, controller
+  return state, controller, tokens
 
 
-def _checkpoint_data(batches, controller, resolved):
-  """The checkpoint's JSON item: data positions, the adaptive switch's
-  decisions and the run's resolved config (what the resume check reads:
-  fp4jax.train.workdir.checkpoint_config)."""
-  out = dict(_data_states(batches), config=resolved)
+def _saved_tokens(data_state, step, config):
+  """Tokens trained up to the checkpoint at `step`: its "tokens", or (a
+  checkpoint from before it kept them) step x the tokens per step of the
+  config it was saved with."""
+  if isinstance(data_state.get("tokens"), int):
+    return data_state["tokens"]
+  saved = data_state.get("config") if isinstance(data_state.get("config"), dict) else {}
+  per_step = [saved.get(k, config[k]) for k in ("batch_size", "seq_len")]
+  if not all(isinstance(n, int) for n in per_step):
+    per_step = [config.batch_size, config.seq_len]
+  return step * per_step[0] * per_step[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenCount:
+  """tokens_at(step): the tokens trained up to `step`, counted from those at
+  the start step, so the count only grows across resumes that change
+  batch_size or seq_len (--override_resume)."""
+  start: int
+  tokens_at_start: int
+  per_step: int
+
+  def __call__(self, step):
+    return self.tokens_at_start + (step - self.start) * self.per_step
+
+
+def _checkpoint_data(batches, controller, resolved, tokens_at, step):
+  """The checkpoint's JSON item at `step`: data positions, the adaptive
+  switch's decisions, the tokens trained and the run's resolved config (what
+  the resume check reads: fp4jax.train.workdir.checkpoint_config)."""
+  out = dict(_data_states(batches), config=resolved, tokens=tokens_at(step))
   if controller is not None:
     out["adaptive_wgrad"] = controller.decisions.state_dict()
   return out
@@ -564,7 +596,7 @@ def _loop(run, state, out, timer, signals):
     seg = schedule.segment_index(run.segs, out.step)
     switched = seg > 0 and run.segs[seg].start == out.step
     state, metrics, batch = _advance(run, state, seg, out, timer)
-    row = dict(step=out.step, tokens=out.step * run.tokens_per_step,
+    row = dict(step=out.step, tokens=run.tokens_at(out.step),
                loss=out.last_loss, lr=float(metrics["lr"]),
                grad_norm=float(metrics["grad_norm"]),
                **timer.rates(run.tokens_per_step),
@@ -589,7 +621,7 @@ def _loop(run, state, out, timer, signals):
     if out.status != "completed":
       break
     if out.step % config.checkpoint_every == 0 and bad_in_row == 0:
-      run.ckpts.save(out.step, state, run.checkpoint_data())
+      run.ckpts.save(out.step, state, run.checkpoint_data(out.step))
   return state, seg
 
 
@@ -635,19 +667,20 @@ def _check_stop(run, out, bad_in_row, evaluated, row):
                       if kept else "No checkpoint had been saved yet."))
   elif (evaluated and config.target_eval_loss is not None
         and out.eval_loss <= config.target_eval_loss):
-    out.status, out.target_tokens = "target_reached", step * run.tokens_per_step
+    out.status, out.target_tokens = "target_reached", run.tokens_at(step)
     out.message = (f"eval_loss {out.eval_loss:.4f} <= target "
                    f"{config.target_eval_loss} at step {step} after "
                    f"{out.target_tokens:,} tokens")
     row["target_reached"] = True
 
 
-def _summary(config, out, timer, state, recipe, n_params, start, t_start):
+def _summary(config, out, timer, state, recipe, n_params, start, t_start,
+             tokens_at):
   """The run's summary.json (see train())."""
   tokens_per_step = config.batch_size * config.seq_len
   return dict(
       status=out.status, message=out.message, step=out.step,
-      tokens=out.step * tokens_per_step, final_loss=out.last_loss,
+      tokens=tokens_at(out.step), final_loss=out.last_loss,
       final_eval_loss=out.eval_loss, final_eval_step=out.eval_step,
       final_eval_perplexity=(_perplexity(out.eval_loss)
                              if out.eval_loss is not None else None),
