@@ -190,6 +190,29 @@ def test_a_second_run_on_a_locked_workdir_is_refused(workdir, corpus):
   _kept(before, path)
 
 
+HOLD_LOCK = ("import sys, time; from fp4jax.train import workdir; "
+             "workdir.WorkdirLock(sys.argv[1]).acquire(); print('locked', flush=True); "
+             "time.sleep(120)")
+
+
+def test_a_removed_lock_file_lets_no_second_run_in(workdir, corpus):
+  """A live run holds the workdir's OS lock: with its lock file deleted, a
+  second train.py is still refused (one line), and trains nothing."""
+  path, before = workdir
+  holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    os.remove(path / "lock")
+    rc, out = train(path, corpus, "--config.steps=6")
+    _user_error(rc, out, "is in use by another process", "OS lock")
+  finally:
+    holder.kill()
+    holder.wait()
+  _kept(before, path)
+  assert max(json.loads(l)["step"] for l in open(path / "metrics.jsonl")) == 4
+
+
 def test_a_data_error_mid_run_saves_a_checkpoint_first(tmp_path):
   corpus = tmp_path / "corpus"
   corpus.mkdir()

@@ -1,9 +1,11 @@
 """What keeps a workdir whole: its lock, its config on resume, its history.
 
 - `WorkdirLock`: WORKDIR/lock (JSON: pid, host, run id, start time) is taken
-  at start-up and removed on every exit. A second run on the same workdir is
-  refused with the holder's pid and host; a lock whose process is dead (same
-  host) is stale and taken over with a message. The processes of one
+  at start-up and removed on every exit, and the run holds an OS lock
+  (fcntl.flock) on the workdir folder itself, open for the run's life, so a
+  removed lock file lets no second run in. A second run on the same workdir
+  is refused with the holder's pid and host; a lock whose process is dead
+  (same host) is stale and taken over with a message. The processes of one
   multi-host run share the workdir: process 0 takes the lock with a run id it
   broadcasts to the others, who check that the lock holds that id.
 - `check_resume_config`: a workdir belongs to the config its checkpoints
@@ -22,6 +24,7 @@ partial history/ behind.
 """
 
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -129,6 +132,7 @@ class WorkdirLock:
     self.path = os.path.join(workdir, LOCK_FILE)
     self.run_id = None
     self._held = False
+    self._folder_fd = None  # the workdir, flock-ed while the run holds it
 
   def acquire(self):
     """Takes the lock (process 0) or checks it (others); WorkdirError if
@@ -157,9 +161,43 @@ class WorkdirLock:
                 processes=jax.process_count(),
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
 
+  def _lock_folder(self):
+    """Takes the OS lock of the workdir folder; WorkdirError while another
+    process holds it (whether or not its lock file is still there)."""
+    fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      os.close(fd)
+      if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+        return  # no flock on this file system: the lock file alone guards
+      holder = self._read()
+      where = (f"process {holder.get('pid')} on host {holder.get('host')}"
+               if holder else "another process, whose lock file "
+               f"{self.path} was removed")
+      raise WorkdirError(
+          f"workdir {os.path.dirname(self.path)!r} is in use by {where} (it "
+          "holds the workdir's OS lock); wait for it to finish or use another "
+          "workdir.") from None
+    self._folder_fd = fd
+
+  def _unlock_folder(self):
+    if self._folder_fd is not None:
+      os.close(self._folder_fd)  # closing releases the flock
+      self._folder_fd = None
+
   def _create(self):
-    """Writes the record to a temporary file, then links it as the lock: the
-    lock appears whole or not at all (a full disk or a kill leaves none)."""
+    """Takes the folder's OS lock, then writes the record to a temporary
+    file and links it as the lock: the lock appears whole or not at all (a
+    full disk or a kill leaves none)."""
+    self._lock_folder()
+    try:
+      self._link_record()
+    except BaseException:
+      self._unlock_folder()
+      raise
+
+  def _link_record(self):
     tmp = f"{self.path}.{os.getpid()}.tmp"
     try:
       with open(tmp, "w") as f:
@@ -229,9 +267,12 @@ class WorkdirLock:
     if not self._held:
       return
     self._held = False
-    holder = self._read()
-    if holder and holder.get("run_id") == self.run_id:
-      os.remove(self.path)
+    try:
+      holder = self._read()
+      if holder and holder.get("run_id") == self.run_id:
+        os.remove(self.path)
+    finally:
+      self._unlock_folder()
 
 
 # ---------------------------------------------------------------------------
