@@ -1,0 +1,173 @@
+"""Packed FP4 exports: the block linears as NVFP4 / MXFP4 codes and scales.
+
+`python -m fp4jax.convert export RUN OUT --quantize nvfp4|mxfp4 [--layout
+compressed-tensors|modelopt]` (fp4jax.train.export) writes, for every linear
+layer of every block (q, k, v, o, gate, up, down) that the run does not keep
+in bf16, in place of its dense weight (`model.layers.i.<proj>`):
+
+  compressed-tensors (vLLM, SGLang; transformers through compressed-tensors)
+    weight_packed        uint8 [out, in/2], two E2M1 codes per byte
+    weight_scale         float8_e4m3fn [out, in/16] (NVFP4) or uint8 E8M0
+                         [out, in/32] (MXFP4)
+    weight_global_scale  float32 [1], NVFP4 only: 1 / fp4jax's per-tensor
+                         scale (compressed-tensors divides by it)
+    and config.json's `quantization_config`, the block compressed-tensors
+    0.20 writes ("nvfp4-pack-quantized" / "mxfp4-pack-quantized"), with a
+    `transform_config` declaring the Fprop Hadamard rotation when there is one
+  modelopt (NVFP4; TensorRT-LLM, vLLM's modelopt loader)
+    weight (packed uint8), weight_scale (float8_e4m3fn), weight_scale_2
+    (float32 scalar, fp4jax's per-tensor scale amax / (6 * 448)), and
+    hf_quant_config.json
+
+Codes and scales come from fp4jax.llama.fp4_weights: exactly those of the
+trained forward when its Fprop weight operand is the exported format, else
+a post-training round to nearest (`PackedExport.notice` says so). Embeddings,
+norms, the head and the layers kept in bf16 stay dense, and are named in
+`ignore` / `exclude_modules`.
+"""
+
+import ml_collections
+import numpy as np
+
+from fp4jax import recipes
+from fp4jax import schedule
+from fp4jax.llama import fp4_weights
+from fp4jax.llama import linears
+from fp4jax.llama.hf import ConvertError
+from fp4jax.train.config import resolve_recipe
+
+LAYOUTS = {"compressed-tensors": ("nvfp4", "mxfp4"), "modelopt": ("nvfp4",)}
+# compressed-tensors' format names and the version whose config block is written.
+CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+CT_VERSION = "0.20.0"
+MODELOPT_CONFIG = "hf_quant_config.json"
+_BLOCK_PATHS = {layer.path: layer for layer in linears.BLOCK}
+
+
+def run_recipe(config, step):
+  """The Recipe whose forward trained the run's last step before checkpoint
+  `step` (config: the run's config.json; its quant_schedule included)."""
+  try:
+    first = recipes.from_config(ml_collections.ConfigDict(
+        config["resolved"]["recipe"]))
+    segs = schedule.segments(
+        first, config.get("quant_schedule"), config["steps"],
+        lambda quant: resolve_recipe(quant, config["dtype"]))
+  except (KeyError, TypeError, ValueError) as e:
+    raise ConvertError(f"the run's recipe cannot be read from its config.json: "
+                       f"{e}") from e
+  return segs[schedule.segment_index(segs, max(step - 1, 0))].recipe
+
+
+class PackedExport:
+  """What a packed export writes instead of the quantized layers' dense weights.
+
+  config: the run's config.json; cfg: its LlamaConfig; step: the checkpoint.
+  """
+
+  def __init__(self, config, cfg, step, fmt, layout):
+    if fmt not in fp4_weights.FORMATS:
+      raise ConvertError(f"--quantize {fmt!r}; allowed: "
+                         f"{list(fp4_weights.FORMATS)}")
+    if layout not in LAYOUTS:
+      raise ConvertError(f"--layout {layout!r}; allowed: {list(LAYOUTS)}")
+    if fmt not in LAYOUTS[layout]:
+      raise ConvertError(f"--layout {layout} holds {list(LAYOUTS[layout])} "
+                         f"only, not --quantize {fmt!r}")
+    self.cfg, self.fmt, self.layout = cfg, fmt, layout
+    self.recipe = run_recipe(config, step)
+    self.plan = fp4_weights.plan(self.recipe, fmt)
+
+  def notice(self):
+    """One line for the user when the weights are quantized after training."""
+    if self.plan.exact:
+      return None
+    return (f"quantize: recipe {self.recipe.name!r} {self.plan.why}, so the "
+            f"weights are quantized to {self.fmt} after training (round to "
+            "nearest), not as the forward computed")
+
+  def is_packed(self, row):
+    """Whether tensor_table row (hf name, path, layer, layout) is packed."""
+    return self._block_linear(row) is not None and not self.cfg.is_bf16(
+        self._block(row))
+
+  def nbytes(self, shape):
+    """Bytes of a packed layer whose fp4jax kernel (one layer) has `shape`."""
+    n = int(np.prod(shape))
+    return n // 2 + n // fp4_weights.FORMATS[self.fmt] + 4
+
+  def tensors(self, row, kernel):
+    """{name: array} of a packed row; kernel: its float32 fp4jax kernel."""
+    layer = self._block_linear(row)
+    w = fp4_weights.fp4_weight(kernel, layer.n_in, self.cfg.dtype, self.plan)
+    module = row[0][:-len(".weight")]
+    if self.layout == "modelopt":
+      return {f"{module}.weight": w.packed, f"{module}.weight_scale": w.scales,
+              f"{module}.weight_scale_2": np.asarray(w.global_scale, np.float32)}
+    out = {f"{module}.weight_packed": w.packed,
+           f"{module}.weight_scale": w.scales}
+    if w.global_scale is not None:
+      out[f"{module}.weight_global_scale"] = np.float32(1) / np.asarray(
+          [w.global_scale], np.float32)
+    return out
+
+  def ignored(self, table):
+    """Module names of the dense linears (the head, the bf16 layers)."""
+    return [row[0][:-len(".weight")] for row in table
+            if row[0].endswith("_proj.weight") or row[0] == "lm_head.weight"
+            if not self.is_packed(row)]
+
+  def quantization_config(self, table):
+    """config.json's quantization_config (compressed-tensors) or None."""
+    if self.layout != "compressed-tensors":
+      return None
+    ignore = self.ignored(table)
+    return {
+        "config_groups": {"group_0": {
+            "format": None, "input_activations": None,
+            "output_activations": None, "targets": ["Linear"],
+            "weights": _ct_weights(self.fmt)}},
+        "format": CT_FORMATS[self.fmt], "global_compression_ratio": None,
+        "ignore": ignore, "kv_cache_scheme": None,
+        "moe_sparsity_config": None, "quant_method": "compressed-tensors",
+        "quantization_status": "compressed", "sparsity_config": {},
+        "transform_config": self._transform_config(ignore),
+        "version": CT_VERSION}
+
+  def _transform_config(self, ignore):
+    """The Fprop rotation, applied online to every packed Linear's input."""
+    rotation = self.plan.rotation
+    if rotation is None:
+      return {}
+    return {"config_groups": {f"h{rotation.block}": {
+        "type": "hadamard", "head_dim": rotation.block, "randomize": False,
+        "requires_grad": False, "precision": "torch.float32",
+        "apply": [{"targets": ["Linear"], "location": "input",
+                   "inverse": False, "ignore": ignore}]}}}
+
+  def modelopt_config(self, table):
+    """hf_quant_config.json's content (modelopt) or None."""
+    if self.layout != "modelopt":
+      return None
+    return {"producer": {"name": "modelopt", "version": "0.0.0+fp4jax"},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+                             "group_size": 16,
+                             "exclude_modules": self.ignored(table)}}
+
+  def _block_linear(self, row):
+    path = row[1]
+    return _BLOCK_PATHS.get("/".join(path[1:-1])) if path[-1] == "kernel" else None
+
+  def _block(self, row):
+    return int(row[0].split(".")[2])  # model.layers.<i>.
+
+
+def _ct_weights(fmt):
+  """compressed-tensors' weight QuantizationArgs of NVFP4A16 / MXFP4A16."""
+  if fmt == "nvfp4":
+    return {"dynamic": False, "group_size": 16, "num_bits": 4,
+            "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group",
+            "symmetric": True, "type": "float"}
+  return {"dynamic": False, "group_size": 32, "num_bits": 4,
+          "scale_dtype": "torch.uint8", "strategy": "group", "symmetric": True,
+          "type": "float"}

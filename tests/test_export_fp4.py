@@ -1,0 +1,332 @@
+"""Packed FP4 exports (`export --quantize`), read back by compressed-tensors and transformers.
+
+One tiny run (2 layers, block 0 kept in bf16, bfloat16 compute) is trained
+once on the NVIDIA NVFP4 recipe. The other recipes are copies of it whose
+config.json records that recipe (as its trainer writes it): what is checked
+is that the export holds the weights the recorded recipe's forward
+multiplies, which depends on the weights and the recipe, not on how the
+weights were reached. The forward's weight operand is taken from the model
+itself: its DotGeneral modules sow the kernel they receive, and fp4jax.dot's
+own operand preparation (flatten, rotate, quantize; the xla backend) gives
+what Fprop multiplies.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp4jax
+from fp4jax import backends
+from fp4jax import checkpointing
+from fp4jax import dot
+from fp4jax.llama import fp4_weights
+from fp4jax.llama import hf as hf_llama
+from fp4jax.llama import linears
+from fp4jax.llama import model as model_lib
+from fp4jax.train import export
+from fp4jax.train import export_fp4
+from fp4jax.train import trainer
+from tests.helpers import tiny_config
+
+pytestmark = pytest.mark.slow  # trains a run; loads torch and transformers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 2
+# recipe -> the format its Fprop weight operand is in.
+EXACT = {"nvfp4": "nvfp4", "mxfp4-fprop": "mxfp4", "mxfp4-dh16": "mxfp4",
+         "nvfp4-4over6": "nvfp4"}
+
+
+def _interop():
+  """(torch, transformers, compressed_tensors), or a skip naming the extra."""
+  missing = [m for m in ("torch", "transformers", "compressed_tensors")
+             if importlib.util.find_spec(m) is None]
+  if missing:
+    pytest.skip(f"{' and '.join(missing)} not installed (pip install "
+                "'fp4jax[interop]'): the packed export is not read back")
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  import compressed_tensors  # pylint: disable=g-import-not-at-top
+  return torch, transformers, compressed_tensors
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  run_dir = str(tmp_path_factory.mktemp("run"))
+  config = tiny_config(**{"quant.name": "nvfp4", "steps": STEPS,
+                          "eval_every": STEPS, "checkpoint_every": STEPS,
+                          "dtype": "bfloat16", "async_checkpointing": False})
+  config.model.n_layers = 2
+  config.model.bf16_layers = ("block_0",)
+  trainer.train(config, run_dir)
+  return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(trained, tmp_path_factory):
+  """recipe name -> a run directory whose config.json records that recipe."""
+  out = {}
+  for name in EXACT | {"bf16": None, "mxfp4-rh16": None}:
+    run_dir = str(tmp_path_factory.mktemp(name))
+    shutil.rmtree(run_dir)
+    shutil.copytree(trained, run_dir)
+    path = os.path.join(run_dir, "config.json")
+    with open(path) as f:
+      config = json.load(f)
+    recipe = dataclasses.replace(fp4jax.recipe(name), compute_dtype="bfloat16")
+    config["resolved"]["recipe"] = recipe.to_config().to_dict()
+    with open(path, "w") as f:
+      json.dump(config, f)
+    out[name] = run_dir
+  return out
+
+
+@pytest.fixture(scope="module")
+def exports(runs, tmp_path_factory):
+  """recipe name -> (its compressed-tensors export, the report's lines)."""
+  out = {}
+  for name, fmt in EXACT.items():
+    directory = str(tmp_path_factory.mktemp("ct") / name)
+    out[name] = directory, export.export(runs[name], directory, quantize=fmt)
+  return out
+
+
+def _run(run_dir):
+  """(LlamaConfig, recipe of the last step, params) of a run."""
+  config, cfg = export.run_config(run_dir)
+  params = checkpointing.restore_params(os.path.join(run_dir, "checkpoints"),
+                                        STEPS, hf_llama.abstract_params(cfg))
+  return cfg, export_fp4.run_recipe(config, STEPS), params
+
+
+def _forward_operands(run_dir):
+  """{hf module name: the Fprop weight operand of block 1's layers, [out, in]}
+
+  as (values float32, per-tensor factor or None): values * factor is what
+  the trained forward multiplies, dequantized in float32.
+  """
+  cfg, recipe, params = _run(run_dir)
+  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
+  _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
+                        mutable=["intermediates", "perturbations"],
+                        rngs={"quant": jax.random.key(0)})
+  out = {}
+  for layer in linears.BLOCK:
+    node = sown["intermediates"]["block_1"]
+    for key in layer.path.split("/"):
+      node = node[key]
+    rhs = node["DotGeneral_0"]["rhs"][0]
+    op, _, _ = dot._quantized(  # pylint: disable=protected-access
+        backends.module("xla"), rhs, tuple(range(layer.n_in)), False,
+        recipe.fprop.rhs, recipe.fprop.hadamard, None, None,
+        jnp.dtype(recipe.compute_dtype))
+    values = np.asarray(op.values, np.float32)
+    factor = None if op.factor is None else np.float32(op.factor)
+    out[f"model.layers.1.{layer.hf_name[:-len('.weight')]}"] = (
+        values.reshape(values.shape[0], -1).T, factor)
+  return out
+
+
+def _tensors(directory):
+  from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
+  return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def _quantization_config(directory):
+  with open(os.path.join(directory, "config.json")) as f:
+    return json.load(f)["quantization_config"]
+
+
+def _bf16(x):
+  import torch  # pylint: disable=g-import-not-at-top
+  return torch.tensor(x).bfloat16()
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_compressed_tensors_decompresses_the_trained_forwards_weights(
+    exports, runs, name):
+  torch, _, ct = _interop()
+  from compressed_tensors.compressors.base import BaseCompressor  # pylint: disable=g-import-not-at-top
+  from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8  # pylint: disable=g-import-not-at-top
+  directory, lines = exports[name]
+  assert not any(line.startswith("quantize:") for line in lines)  # exact
+  config = ct.quantization.QuantizationConfig.model_validate(
+      _quantization_config(directory))
+  scheme = config.config_groups["group_0"]
+  compressor = BaseCompressor.get_value_from_registry(config.format)
+  tensors = _tensors(directory)
+  nvfp4 = EXACT[name] == "nvfp4"
+  for module, (values, factor) in _forward_operands(runs[name]).items():
+    state = {k[len(module) + 1:]: v for k, v in tensors.items()
+             if k.startswith(module + ".")}
+    assert sorted(state) == (["weight_global_scale"] if nvfp4 else []) + [
+        "weight_packed", "weight_scale"]
+    # Codes times block scales, as the library unpacks them: the forward's
+    # block-dequantized values, bit for bit.
+    packed = state["weight_packed"]
+    codes = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2)
+    scales = compressor._decompress_scale(state["weight_scale"], codes.dtype)  # pylint: disable=protected-access
+    block = scheme.weights.group_size
+    torch.testing.assert_close(
+        codes * scales.repeat_interleave(block, dim=1), _bf16(values),
+        rtol=0, atol=0)
+    if nvfp4:
+      assert state["weight_global_scale"].item() == np.float32(1) / factor
+    # The library's whole decompression: for MXFP4 exactly the forward's
+    # weight; for NVFP4 it divides by 1/factor where fp4jax multiplies by
+    # factor, so a bf16 weight may differ in its last bit where the float32
+    # products round on either side of a bf16 tie (3.5e-6 of random
+    # weights; none of these).
+    weight = compressor.decompress(state, scheme)["weight"]
+    want = _bf16(values if factor is None else values * factor)
+    assert weight.dtype == torch.bfloat16
+    torch.testing.assert_close(weight, want, rtol=0, atol=0)
+  # Block 0 is kept in bf16, the head dense: written as dense weights, ignored.
+  ignored = config.ignore
+  assert "lm_head" in ignored and "model.layers.0.mlp.down_proj" in ignored
+  assert len(ignored) == 1 + len(linears.BLOCK)
+  assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4-dh16"])
+def test_quantization_config_is_the_block_compressed_tensors_writes(
+    exports, name):
+  _, _, ct = _interop()
+  ours = _quantization_config(exports[name][0])
+  config = ct.quantization.QuantizationConfig.model_validate(ours)
+  dumped = json.loads(json.dumps(config.model_dump(exclude=["quant_method"])))
+  assert {k: ours[k] for k in dumped} == dumped
+  assert ours["quant_method"] == "compressed-tensors"
+  assert ours["version"] == ct.__version__ and ours["sparsity_config"] == {}
+  transform = ours["transform_config"]
+  if name == "nvfp4":
+    assert transform == {}
+    return
+  parsed = ct.transform.TransformConfig.model_validate(transform)
+  assert json.loads(json.dumps(parsed.model_dump(), default=str)) == transform
+  (scheme,) = parsed.config_groups.values()
+  assert (scheme.type, scheme.head_dim, scheme.randomize) == ("hadamard", 16,
+                                                             False)
+  (args,) = scheme.apply
+  assert args.location == "input" and args.ignore == config.ignore
+
+
+def _reference_logits(run_dir, operands, tokens):
+  """fp4jax's unquantized float32 model with block 1's weights replaced by
+  the forward's weight operands (dequantized, bf16 as the library returns
+  them, unrotated)."""
+  cfg, recipe, params = _run(run_dir)
+  params = jax.tree.map(np.asarray, params)
+  rotation = recipe.fprop.hadamard
+  for layer in linears.BLOCK:
+    values, factor = operands[f"model.layers.1.{layer.hf_name[:-7]}"]
+    w = _bf16(values if factor is None else values * factor).float().numpy()
+    if rotation is not None:  # H16 is symmetric and its own inverse
+      w = np.asarray(fp4jax.rotate(jnp.asarray(w), rotation.block, axis=-1))
+    node = params["block_1"]
+    for key in layer.path.split("/"):
+      node = node[key]
+    node["kernel"] = w.T.reshape(node["kernel"].shape)
+  llama = model_lib.Llama(dataclasses.replace(cfg, dtype="float32"),
+                          fp4jax.recipe("bf16"))
+  return np.asarray(llama.apply({"params": params}, tokens))
+
+
+@pytest.mark.parametrize("name", ["mxfp4-dh16", "nvfp4"])
+def test_transformers_gives_fp4jax_logits_with_the_exported_weights(
+    exports, runs, name):
+  torch, transformers, ct = _interop()
+  directory = exports[name][0]
+  tokens = np.random.default_rng(0).integers(0, 258, (2, 16)).astype(np.int32)
+  want = _reference_logits(runs[name], _forward_operands(runs[name]), tokens)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, quantization_config=transformers.CompressedTensorsConfig(
+          dequantize=True))
+  transform = _quantization_config(directory)["transform_config"]
+  with torch.no_grad():
+    unrotated = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    if transform:
+      ct.transform.apply_transform_config(
+          model, ct.transform.TransformConfig.model_validate(transform))
+    got = model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+  if transform:  # the declared rotation is what makes them agree
+    assert np.abs(unrotated - want).max() > 1e-2
+
+
+def test_packed_weights_take_028x_of_bf16(exports):
+  _interop()
+  for name, ratio in (("nvfp4", 4.5 / 16), ("mxfp4-fprop", 4.25 / 16)):
+    tensors = _tensors(exports[name][0])
+    for layer in linears.BLOCK:
+      module = f"model.layers.1.{layer.hf_name[:-7]}"
+      nbytes = sum(v.numel() * v.element_size() for k, v in tensors.items()
+                   if k.startswith(module + "."))
+      packed = tensors[module + ".weight_packed"]
+      bf16_bytes = packed.numel() * 2 * 2
+      global_bytes = 4 if name == "nvfp4" else 0
+      assert (nbytes - global_bytes) / bf16_bytes == ratio, (name, module)
+
+
+def test_a_run_in_another_format_is_quantized_after_training(runs, tmp_path):
+  torch, _, _ = _interop()
+  _, _, params = _run(runs["bf16"])
+  lines = export.export(runs["bf16"], str(tmp_path / "ptq"), quantize="nvfp4")
+  (notice,) = [line for line in lines if line.startswith("quantize:")]
+  assert "leaves Fprop's weight unquantized" in notice
+  assert "after training (round to nearest)" in notice
+  # Round to nearest of the bf16 weight (1D blocks of 16 along `in`).
+  w = np.asarray(params["block_1"]["mlp"]["down"]["kernel"])
+  q = fp4jax.quantize(jnp.asarray(w.T).astype(jnp.bfloat16),
+                      fp4jax.QuantSpec("nvfp4"), axis=-1)
+  tensors = _tensors(str(tmp_path / "ptq"))
+  module = "model.layers.1.mlp.down_proj"
+  np.testing.assert_array_equal(
+      tensors[module + ".weight_packed"].numpy(),
+      np.asarray(fp4jax.pack_fp4(q.values)))
+  assert torch.equal(tensors[module + ".weight_scale"].view(torch.uint8),
+                     torch.from_numpy(np.asarray(q.scales).view(np.uint8)))
+
+
+def test_bad_input_is_one_line_with_exit_code_2(runs, tmp_path, capsys):
+  for run, args, message in (
+      ("nvfp4", ["--quantize", "fp8"], "--quantize 'fp8'; allowed: "
+       "['nvfp4', 'mxfp4']"),
+      ("nvfp4", ["--quantize", "mxfp4", "--layout", "modelopt"],
+       "--layout modelopt holds ['nvfp4'] only, not --quantize 'mxfp4'"),
+      ("nvfp4", ["--quantize", "nvfp4", "--layout", "gguf"],
+       "--layout 'gguf'; allowed: ['compressed-tensors', 'modelopt']"),
+      ("nvfp4", ["--layout", "modelopt"], "--layout 'modelopt' needs "
+       "--quantize"),
+      ("mxfp4-rh16", ["--quantize", "mxfp4"], "rotates Fprop with Hadamard "
+       "signs 'per-step'")):
+    out = tmp_path / "out"
+    assert export.main(["export", runs[run], str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+  p = fp4_weights.plan(fp4jax.recipe("mxfp4-dh16"), "mxfp4")
+  with pytest.raises(hf_llama.ConvertError, match=r"a kernel of shape \[48, 64\] "
+                     "contracts 48 inputs, not a multiple of 32"):
+    fp4_weights.fp4_weight(np.zeros((48, 64), np.float32), 1, "bfloat16", p)
+
+
+def test_cli_writes_the_packed_export(runs, tmp_path):
+  out = tmp_path / "cli"
+  proc = subprocess.run(
+      [sys.executable, "-m", "fp4jax.convert", "export", runs["mxfp4-dh16"],
+       str(out), "--quantize", "mxfp4"], capture_output=True, text=True,
+      cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "mxfp4 in the compressed-tensors layout" in proc.stdout
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors",
+                                     "tokenizer.json", "tokenizer_config.json"]
