@@ -263,6 +263,36 @@ def test_transformers_gives_fp4jax_logits_with_the_exported_weights(
     assert np.abs(unrotated - want).max() > 1e-2
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-4over6"])
+def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
+    exports, runs, tmp_path, name):
+  torch, _, _ = _interop()
+  from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "modelopt")
+  export.export(runs[name], out, quantize="nvfp4", layout="modelopt")
+  with open(os.path.join(out, export_fp4.MODELOPT_CONFIG)) as f:
+    quantization = json.load(f)["quantization"]
+  assert (quantization["quant_algo"], quantization["group_size"]) == ("NVFP4",
+                                                                      16)
+  modelopt = _tensors(out)
+  scale_2 = modelopt["model.layers.1.self_attn.q_proj.weight_scale_2"]
+  assert scale_2.dtype == torch.float32 and scale_2.shape == ()
+  converted = ModelOptNvfp4Converter(
+      ignore=quantization["exclude_modules"], targets=["Linear"]).validate(
+          dict(modelopt))
+  ours = _tensors(exports[name][0])
+  assert sorted(converted) == sorted(ours)
+  for key, want in ours.items():
+    got = converted[key]
+    if key.endswith("weight_global_scale"):  # a scalar in ModelOpt's layout
+      got = got.reshape(1)
+    assert got.dtype == want.dtype and got.shape == want.shape, key
+    assert got.contiguous().view(torch.uint8).numpy().tobytes() == (
+        want.contiguous().view(torch.uint8).numpy().tobytes()), key
+  with open(os.path.join(out, "config.json")) as f:
+    assert "quantization_config" not in json.load(f)
+
+
 def test_packed_weights_take_028x_of_bf16(exports):
   _interop()
   for name, ratio in (("nvfp4", 4.5 / 16), ("mxfp4-fprop", 4.25 / 16)):
