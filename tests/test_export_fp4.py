@@ -92,11 +92,13 @@ def runs(trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exports(runs, tmp_path_factory):
-  """recipe name -> (its compressed-tensors export, the report's lines)."""
+  """recipe name -> (its compressed-tensors export, the report's lines), each
+  layer with its own NVFP4 per-tensor scale (exactly the trained forward)."""
   out = {}
   for name, fmt in EXACT.items():
     directory = str(tmp_path_factory.mktemp("ct") / name)
-    out[name] = directory, export.export(runs[name], directory, quantize=fmt)
+    out[name] = directory, export.export(runs[name], directory, quantize=fmt,
+                                         fused_scale="per-projection")
   return out
 
 
@@ -269,7 +271,8 @@ def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
   torch, _, _ = _interop()
   from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter  # pylint: disable=g-import-not-at-top
   out = str(tmp_path / "modelopt")
-  export.export(runs[name], out, quantize="nvfp4", layout="modelopt")
+  export.export(runs[name], out, quantize="nvfp4", layout="modelopt",
+                fused_scale="per-projection")
   with open(os.path.join(out, export_fp4.MODELOPT_CONFIG)) as f:
     quantization = json.load(f)["quantization"]
   assert (quantization["quant_algo"], quantization["group_size"]) == ("NVFP4",
@@ -291,6 +294,38 @@ def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
         want.contiguous().view(torch.uint8).numpy().tobytes()), key
   with open(os.path.join(out, "config.json")) as f:
     assert "quantization_config" not in json.load(f)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-4over6"])
+def test_fused_projections_share_one_scale_and_count_what_changes(
+    runs, tmp_path, name):
+  torch, _, _ = _interop()
+  out = str(tmp_path / "shared")
+  lines = export.export(runs[name], out, quantize="nvfp4")  # shared: default
+  (line,) = [l for l in lines if l.startswith("fused projections share")]
+  tensors = _tensors(out)
+  operands = _forward_operands(runs[name])
+  changed = {}
+  for group in (("q", "k", "v"), ("gate", "up")):
+    modules = [m for p in group for m in operands if m.endswith(f".{p}_proj")]
+    factors = [operands[m][1] for m in modules]
+    for module in modules:  # the group's largest per-tensor scale, inverted
+      assert tensors[module + ".weight_global_scale"].item() == (
+          np.float32(1) / max(factors))
+    for module in modules:
+      values, factor = operands[module]
+      w = fp4_weights.Fp4Weight(
+          tensors[module + ".weight_packed"].numpy(),
+          tensors[module + ".weight_scale"].view(torch.uint8).numpy().view(
+              np.dtype(jnp.float8_e4m3fn)), max(factors))
+      n = int(np.sum(w.dequantize() != values * factor))
+      changed[module.rsplit(".", 1)[1][:-len("_proj")]] = (n, values.size)
+      if factor == max(factors):  # its own scale: the forward's weights
+        assert n == 0, module
+  assert any(n for n, _ in changed.values())
+  counts = ", ".join(f"{p} {n:,} of {size:,}" for p, (n, size) in
+                     changed.items())
+  assert line.endswith("weights changed from the trained forward: " + counts)
 
 
 def test_packed_weights_take_028x_of_bf16(exports):

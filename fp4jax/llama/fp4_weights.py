@@ -95,9 +95,16 @@ class Fp4Weight:
   scales: np.ndarray
   global_scale: np.float32 | None
 
-  def codes(self):
-    """float4_e2m1fn [out, in]: the unpacked codes."""
-    return np.asarray(formats.unpack_fp4(jnp.asarray(self.packed), axis=-1))
+  def dequantize(self):
+    """float32 [out, in]: code * block scale (* global scale)."""
+    codes = np.asarray(formats.unpack_fp4(jnp.asarray(self.packed), axis=-1),
+                       np.float32)
+    if self.scales.dtype == np.uint8:  # E8M0 bits
+      scales = np.ldexp(np.float32(1), self.scales.astype(np.int32) - 127)
+    else:
+      scales = self.scales.astype(np.float32)
+    w = codes * np.repeat(scales, codes.shape[1] // scales.shape[1], axis=1)
+    return w if self.global_scale is None else w * self.global_scale
 
 
 def fp4_weight(kernel, n_in, compute_dtype, p: Plan) -> Fp4Weight:
@@ -125,6 +132,24 @@ def fp4_weight(kernel, n_in, compute_dtype, p: Plan) -> Fp4Weight:
   return Fp4Weight(np.asarray(formats.pack_fp4(values, axis=-1)),
                    np.ascontiguousarray(scales),
                    None if g is None else np.float32(g))
+
+
+def fused_fp4_weights(kernels, n_in, compute_dtype, p: Plan) -> list:
+  """[Fp4Weight] of kernels that an engine fuses into one GEMM (q, k, v or
+  gate, up; same n_in leading axes), quantized as one kernel, their outputs
+  side by side: one NVFP4 per-tensor scale from the group's amax, so the
+  kernel with the largest amax keeps its codes and the others' may change.
+  Square tiles need every kernel's outputs in whole tiles."""
+  k = int(np.prod(kernels[0].shape[:n_in]))
+  flat = [np.asarray(x).reshape(k, -1) for x in kernels]
+  widths = [x.shape[1] for x in flat]
+  if p.spec.block_2d and any(n % FORMATS[p.fmt] for n in widths):
+    raise ConvertError(f"fused kernels with {widths} outputs do not split "
+                       f"into whole {FORMATS[p.fmt]}x{FORMATS[p.fmt]} tiles")
+  whole = fp4_weight(np.concatenate(flat, axis=1), 1, compute_dtype, p)
+  rows = np.cumsum([0] + widths)
+  return [Fp4Weight(whole.packed[a:b], whole.scales[a:b], whole.global_scale)
+          for a, b in zip(rows[:-1], rows[1:])]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

@@ -211,12 +211,11 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes, packed=None):
   for file_name, rows in zip(names, files):
     tensors = {}
     for name, path, layer, layout in rows:
-      leaf = params
-      for key in path:
-        leaf = leaf[key]
-      x = np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+      x = _kernel(params, path, layer)
       if packed and packed.is_packed((name, path, layer, layout)):
-        written = packed.tensors((name, path, layer, layout), x)
+        kernel_of = lambda sub, path=path, layer=layer: _kernel(
+            params, (path[0], *sub.split("/"), "kernel"), layer)
+        written = packed.tensors((name, path, layer, layout), x, kernel_of)
       else:
         written = {name: np.ascontiguousarray(to_hf(layout, x).astype(dtype))}
       for key, value in written.items():
@@ -231,6 +230,14 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes, packed=None):
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
                 f, indent=2)
   return len(files), total
+def _kernel(params, path, layer):
+  """The NumPy array at `path` of params (one layer of a scanned leaf)."""
+  leaf = params
+  for key in path:
+    leaf = leaf[key]
+  return np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
+
+
 
 
 def _check_target(out_dir, overwrite):
@@ -245,15 +252,17 @@ def _check_target(out_dir, overwrite):
 
 
 def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
-           overwrite=False, quantize=None, layout=None):
+           overwrite=False, quantize=None, layout=None, fused_scale="shared"):
   """Writes the run's checkpoint `step` (default newest) as a HF Llama.
 
   Written into `out_dir`.partial and renamed to `out_dir` when complete; an
   existing `out_dir` is refused unless `overwrite` (see the module doc).
   quantize: None (dense) or "nvfp4" / "mxfp4", written in `layout` (default
-  "compressed-tensors"; fp4jax.train.export_fp4). Returns the lines of a
-  short report (files written, a post-training quantization notice,
-  tokenizer).
+  "compressed-tensors"; fp4jax.train.export_fp4), with NVFP4 per-tensor
+  scales shared by fused projections (`fused_scale` "shared") or each
+  layer's own ("per-projection"). Returns the lines of a short report (files
+  written, a post-training quantization notice, the weights the shared
+  scales change, tokenizer).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
@@ -267,7 +276,7 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   config, cfg = run_config(run_dir)
   step = run_step(run_dir, step)
   packed = None if quantize is None else export_fp4.PackedExport(
-      config, cfg, step, quantize, layout or "compressed-tensors")
+      config, cfg, step, quantize, layout or "compressed-tensors", fused_scale)
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
@@ -291,11 +300,12 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
     raise
   kind = dtype if packed is None else (
       f"{quantize} in the {packed.layout} layout, the rest {dtype}")
-  notice = packed and packed.notice()
+  notices = [] if packed is None else [
+      line for line in (packed.notice(), packed.fused_line()) if line]
   return [f"wrote {out_dir}: step {step} of {run_dir}, "
           f"{len(tensor_table(cfg))} tensors, "
-          f"{total:,} bytes ({kind}) in {n_files} file(s)",
-          *([notice] if notice else []), tokenizer_line]
+          f"{total:,} bytes ({kind}) in {n_files} file(s)", *notices,
+          tokenizer_line]
 
 
 def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
@@ -354,6 +364,11 @@ def main(argv=None):
   exp.add_argument("--quantize", default=None,
                    help="write the block linears packed: nvfp4 or mxfp4")
   exp.add_argument("--layout", default=None,
+  exp.add_argument("--fused_scale", default="shared",
+                   help="NVFP4 per-tensor scales of q/k/v and gate/up: "
+                   "shared (what fusing engines need; the weights this "
+                   "changes are counted) or per-projection (each layer's "
+                   "own, exactly the trained forward)")
                    help="of a packed export: compressed-tensors (default; "
                    "vLLM, SGLang) or modelopt (NVFP4; TensorRT-LLM)")
   args = parser.parse_args(argv)
@@ -361,7 +376,7 @@ def main(argv=None):
     lines = export(args.run_dir, args.out_dir, step=args.step,
                    dtype=args.dtype, max_shard_gb=args.max_shard_gb,
                    overwrite=args.overwrite, quantize=args.quantize,
-                   layout=args.layout)
+                   layout=args.layout, fused_scale=args.fused_scale)
   except (ConvertError, errors.UserError, OSError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2

@@ -42,6 +42,9 @@ CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 CT_VERSION = "0.20.0"
 MODELOPT_CONFIG = "hf_quant_config.json"
 _BLOCK_PATHS = {layer.path: layer for layer in linears.BLOCK}
+# The projections vLLM and TensorRT-LLM fuse into one GEMM.
+FUSED_GROUPS = (("attn/q", "attn/k", "attn/v"), ("mlp/gate", "mlp/up"))
+FUSED_SCALES = ("shared", "per-projection")
 
 
 def run_recipe(config, step):
@@ -65,7 +68,7 @@ class PackedExport:
   config: the run's config.json; cfg: its LlamaConfig; step: the checkpoint.
   """
 
-  def __init__(self, config, cfg, step, fmt, layout):
+  def __init__(self, config, cfg, step, fmt, layout, fused_scale="shared"):
     if fmt not in fp4_weights.FORMATS:
       raise ConvertError(f"--quantize {fmt!r}; allowed: "
                          f"{list(fp4_weights.FORMATS)}")
@@ -74,7 +77,14 @@ class PackedExport:
     if fmt not in LAYOUTS[layout]:
       raise ConvertError(f"--layout {layout} holds {list(LAYOUTS[layout])} "
                          f"only, not --quantize {fmt!r}")
+    if fused_scale not in FUSED_SCALES:
+      raise ConvertError(f"--fused_scale {fused_scale!r}; allowed: "
+                         f"{list(FUSED_SCALES)}")
     self.cfg, self.fmt, self.layout = cfg, fmt, layout
+    # NVFP4's per-tensor scale is shared by each fused group (MXFP4 has none).
+    self.shared = fused_scale == "shared" and fmt == "nvfp4"
+    self.changed = {}  # projection path -> [weights changed, weights]
+    self._group_cache = {}
     self.recipe = run_recipe(config, step)
     self.plan = fp4_weights.plan(self.recipe, fmt)
 
@@ -96,10 +106,26 @@ class PackedExport:
     n = int(np.prod(shape))
     return n // 2 + n // fp4_weights.FORMATS[self.fmt] + 4
 
-  def tensors(self, row, kernel):
-    """{name: array} of a packed row; kernel: its float32 fp4jax kernel."""
+  def fused_line(self):
+    """One line: how many weights the shared scales change, per projection."""
+    if not self.shared:
+      return None
+    counts = ", ".join(f"{path.split('/')[1]} {c:,} of {n:,}"
+                       for path, (c, n) in self.changed.items())
+    return ("fused projections share their NVFP4 per-tensor scale (vLLM fuses "
+            f"q/k/v and gate/up); weights changed from the trained forward: "
+            f"{counts}")
+
+  def tensors(self, row, kernel, kernel_of):
+    """{name: array} of a packed row; kernel: its float32 fp4jax kernel;
+    kernel_of(path): the kernel of another linear of the same block
+    ("attn/k")."""
     layer = self._block_linear(row)
-    w = fp4_weights.fp4_weight(kernel, layer.n_in, self.cfg.dtype, self.plan)
+    group = next((g for g in FUSED_GROUPS if layer.path in g), None)
+    if self.shared and group:
+      w = self._fused(row, group, kernel_of)[group.index(layer.path)]
+    else:
+      w = fp4_weights.fp4_weight(kernel, layer.n_in, self.cfg.dtype, self.plan)
     module = row[0][:-len(".weight")]
     if self.layout == "modelopt":
       return {f"{module}.weight": w.packed, f"{module}.weight_scale": w.scales,
@@ -110,6 +136,23 @@ class PackedExport:
       out[f"{module}.weight_global_scale"] = np.float32(1) / np.asarray(
           [w.global_scale], np.float32)
     return out
+
+  def _fused(self, row, group, kernel_of):
+    """The group's Fp4Weights with one shared scale (computed once per block),
+    counting the weights that differ from each layer's own quantization."""
+    key = (self._block(row), group)
+    if key not in self._group_cache:
+      n_in = _BLOCK_PATHS[group[0]].n_in
+      kernels = [kernel_of(path) for path in group]
+      fused = fp4_weights.fused_fp4_weights(kernels, n_in, self.cfg.dtype,
+                                            self.plan)
+      for path, x, w in zip(group, kernels, fused):
+        own = fp4_weights.fp4_weight(x, n_in, self.cfg.dtype, self.plan)
+        count = self.changed.setdefault(path, [0, 0])
+        count[0] += int(np.sum(own.dequantize() != w.dequantize()))
+        count[1] += x.size
+      self._group_cache = {key: fused}  # a block's rows are written together
+    return self._group_cache[key]
 
   def ignored(self, table):
     """Module names of the dense linears (the head, the bf16 layers)."""
