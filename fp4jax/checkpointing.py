@@ -21,6 +21,7 @@ included, are dropped (the DiskFull line says it).
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import shutil
@@ -30,8 +31,16 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 
 from fp4jax import errors
+from fp4jax import records
+
+try:  # orbax's reader of a step's _CHECKPOINT_METADATA (its own checks)
+  from orbax.checkpoint._src.metadata.step_metadata_serialization import (  # pylint: disable=g-import-not-at-top
+      deserialize as _read_step_metadata)
+except ImportError:  # another orbax layout: orbax alone judges the file
+  _read_step_metadata = None
 
 _ITEMS = ("state", "data")
+_STEP_METADATA = "_CHECKPOINT_METADATA"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
@@ -154,7 +163,12 @@ class Checkpoints:
     self.directory = os.path.abspath(directory)
     self._nbytes = None  # of the last state saved
     self._pending = False  # an asynchronous save not yet checked
+    self._manager = None
     logging.getLogger("absl").addFilter(_DISK_FULL_LOGS)  # orbax logs there
+    for step in committed_steps(self.directory):
+      problem = _step_metadata_problem(os.path.join(self.directory, str(step)))
+      if problem:  # orbax's manager would fail on it at once, and every time
+        self._set_aside(step, problem)
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(keep),
         enable_async_checkpointing=async_save,
@@ -228,9 +242,11 @@ class Checkpoints:
               args=ocp.args.Composite(
                   state=ocp.args.StandardRestore(abstract_state),
                   data=ocp.args.JsonRestore()))
+        records.check(records.CheckpointData, restored["data"],
+                      f"{self.directory}/{step}/data/metadata")
       except Exception as e:  # pylint: disable=broad-except
         # Orbax and tensorstore raise many types for unreadable files.
-        self._set_aside(step, e)
+        self._set_aside(step, _first_cause(e))
         continue
       return step, restored["state"], restored["data"]
     return None
@@ -254,7 +270,7 @@ class Checkpoints:
           "with the config it was written with (config.json), or use a new "
           "workdir.")
 
-  def _set_aside(self, step, error):
+  def _set_aside(self, step, why):
     """Moves an unreadable checkpoint out of the way, with a warning."""
     src = os.path.join(self.directory, str(step))
     dst_dir = os.path.join(os.path.dirname(self.directory),
@@ -267,9 +283,9 @@ class Checkpoints:
     shutil.move(src, dst)
     logging.warning(
         "Checkpoint at step %d could not be read (%s); moved it to %s and "
-        "falling back to the previous checkpoint.", step, _first_cause(error),
-        dst)
-    self._manager.reload()
+        "falling back to the previous checkpoint.", step, why, dst)
+    if self._manager is not None:
+      self._manager.reload()
 
   def wait(self):
     """Blocks until pending asynchronous saves are committed."""
@@ -279,6 +295,20 @@ class Checkpoints:
 
   def close(self):
     self._manager.close()
+
+
+def _step_metadata_problem(step_dir):
+  """Why orbax cannot use `step_dir`/_CHECKPOINT_METADATA, or "" (fine, or
+  absent: orbax then does without). Checked with orbax's own reader."""
+  path = os.path.join(step_dir, _STEP_METADATA)
+  if _read_step_metadata is None or not os.path.exists(path):
+    return ""
+  try:
+    with open(path, encoding="utf-8") as f:
+      _read_step_metadata(json.load(f))
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{path}: {_first_cause(e)}"
+  return ""
 
 
 def committed_steps(directory):

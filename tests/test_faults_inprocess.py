@@ -588,3 +588,21 @@ def test_tokens_only_grow_across_a_seq_len_override(trained, tmp_path):
   assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
   expected = 8 * 8 * 32 + 4 * 8 * 16 + 2 * 8 * 8
   assert tokens[-1] == summary["tokens"] == expected
+
+
+@pytest.mark.parametrize("damage", [("_CHECKPOINT_METADATA", "[]"),
+                                    ("data/metadata", '{"processes": 3}')],
+                         ids=["orbax_metadata", "data_metadata"])
+def test_a_checkpoint_with_unusable_metadata_is_set_aside(trained, tmp_path, caplog,
+                                                          damage):
+  """The newest checkpoint's metadata of the wrong shape: it is moved to
+  checkpoints_corrupt/ naming the file, and the run resumes from the one
+  before (every later resume too)."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  name, text = damage
+  (workdir / "checkpoints" / "8" / name).write_text(text)
+  summary = trainer.train(tiny_config(**STEPS), str(workdir))
+  assert summary["resumed_from_step"] == 4 and summary["step"] == 8
+  assert os.listdir(workdir / "checkpoints_corrupt") == ["8"]
+  assert f"8/{name}" in caplog.text and "falling back" in caplog.text

@@ -19,10 +19,12 @@ names another tokenizer. `make_tokenizer(name_or_path)` accepts:
 
 import hashlib
 import importlib
-import json
 import os
 
 import numpy as np
+
+from fp4jax import errors
+from fp4jax import records
 
 _EXTRAS_HINT = "pip install 'fp4jax[tokenizers]'"
 # Files beside a tokenizer file that are part of it (special tokens).
@@ -114,8 +116,7 @@ def _special_names(directory):
   config_path = os.path.join(directory, "tokenizer_config.json")
   if not os.path.exists(config_path):
     return None, None
-  with open(config_path, encoding="utf-8") as f:
-    config = json.load(f)
+  config = records.read(records.TokenizerConfig, config_path)
 
   def name(key):
     token = config.get(key)
@@ -186,8 +187,8 @@ def make_tokenizer(name_or_path):
       HuggingFaceTokenizer)
   try:
     return kind(path)
-  except ImportError:
-    raise
+  except (ImportError, errors.UserError):
+    raise  # a missing package, or a file beside it named (records)
   except Exception as e:  # pylint: disable=broad-except
     # sentencepiece and tokenizers raise RuntimeError / Exception on bad files.
     raise ValueError(f"tokenizer file {path!r} cannot be read as a "

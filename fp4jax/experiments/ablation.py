@@ -78,6 +78,7 @@ from fp4jax.train import cli
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax import diagnostics
+from fp4jax import records
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes as recipes_lib
@@ -203,8 +204,7 @@ def _status(path):
   summary = os.path.join(path, "summary.json")
   if not os.path.exists(summary):
     return None
-  with open(summary) as f:
-    return json.load(f)["status"]
+  return records.read(records.Summary, summary)["status"]
 
 
 def _add_wall(path, seconds):
@@ -213,8 +213,7 @@ def _add_wall(path, seconds):
   os.makedirs(path, exist_ok=True)  # a run that failed at start made none
   total = 0.0
   if os.path.exists(file):
-    with open(file) as f:
-      total = json.load(f)["wall_s"]
+    total = records.read(records.Wall, file)["wall_s"]
   atomic.write_text(file, json.dumps({"wall_s": total + seconds}))
 
 

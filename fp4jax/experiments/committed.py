@@ -18,6 +18,7 @@ import shutil
 import subprocess
 
 from fp4jax import errors
+from fp4jax import records
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "wall.json")
 MANIFEST = "MANIFEST.json"
@@ -29,30 +30,20 @@ def _sha256(path):
     return hashlib.sha256(f.read()).hexdigest()
 
 
-def inside(folder, name) -> bool:
-  """True when `name` (read from a file) is a path inside `folder`: a
-  relative name without "..", whose real path (links followed) stays there."""
-  if not isinstance(name, str) or not name or os.path.isabs(name) or (
-      ".." in name.replace("\\", "/").split("/")):
-    return False
-  root = os.path.realpath(folder)
-  return os.path.realpath(os.path.join(root, name)).startswith(root + os.sep)
-
-
 def is_complete(run_dir) -> bool:
   """True when run_dir's manifest lists the run's own files (RUN_FILES), each
   inside run_dir and matching its hash, and its summary says the run finished."""
   try:
-    with open(os.path.join(run_dir, MANIFEST)) as f:
-      files = json.load(f)["files"]
-    if not set(RUN_FILES) <= set(files) or not all(inside(run_dir, n) for n in files):
+    files = records.read(records.Manifest, os.path.join(run_dir, MANIFEST))["files"]
+    if not set(RUN_FILES) <= set(files) or not all(
+        records.inside(run_dir, n) for n in files):
       return False
     if any(_sha256(os.path.join(run_dir, name)) != digest for name, digest in files.items()):
       return False
-    with open(os.path.join(run_dir, "summary.json")) as f:
-      return json.load(f)["status"] in FINISHED
-  except (OSError, ValueError, KeyError, TypeError):
+    summary = records.read(records.Summary, os.path.join(run_dir, "summary.json"))
+  except (OSError, records.RecordError):
     return False
+  return summary["status"] in FINISHED
 
 
 def publish(src, dst, extra=()):

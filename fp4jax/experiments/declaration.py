@@ -34,6 +34,7 @@ import json
 import os
 
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.experiments import inference
 
 RECORD = "declaration_record.json"
@@ -45,18 +46,20 @@ CORRECTIONS = ("holm",)
 class Contrast:
   """sum_r weights[r] * primary[r] per seed; `direction` of the claimed effect."""
   label: str
-  weights: dict
+  weights: dict[str, float]
   direction: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
+  """a claim of a declaration"""
   text: str
   contrasts: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class Declaration:
+  """a study's declaration file"""
   study: str
   baseline: str
   primary: str
@@ -76,15 +79,7 @@ def _need(cond, path, message):
 
 def load(path) -> Declaration:
   """The Declaration in `path`; UserError naming the bad entry."""
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise errors.UserError(f"cannot read the declaration {path!r}: {e}") from None
-  keys = ("study", "baseline", "primary", "late_from", "smallest_effect_tokens", "alpha",
-          "correction", "power", "claims")
-  missing = [k for k in keys if k not in raw]
-  _need(not missing, path, f"missing {', '.join(missing)}")
+  raw = records.read(Declaration, path)
   _need(raw["primary"] in PRIMARY, path,
         f"primary {raw['primary']!r} is not one of {', '.join(PRIMARY)}")
   _need(raw["correction"] in CORRECTIONS, path,
@@ -94,10 +89,12 @@ def load(path) -> Declaration:
   _need(raw["smallest_effect_tokens"] > 0, path, "smallest_effect_tokens must be > 0")
   _need(raw["claims"], path, "no claims")
   claims = []
-  for c in raw["claims"]:
-    _need(c.get("contrasts"), path, f"claim {c.get('text')!r} has no contrasts")
+  for i, c in enumerate(raw["claims"]):
+    records.check(Claim, c, f"{path}: claims[{i}]")
+    _need(c["contrasts"], path, f"claim {c['text']!r} has no contrasts")
     contrasts = []
-    for k in c["contrasts"]:
+    for j, k in enumerate(c["contrasts"]):
+      records.check(Contrast, k, f"{path}: claims[{i}].contrasts[{j}]")
       _need(k.get("direction") in inference.DIRECTIONS, path,
             f"contrast {k.get('label')!r}: direction {k.get('direction')!r} is not one of "
             f"{', '.join(inference.DIRECTIONS)}")
@@ -109,17 +106,19 @@ def load(path) -> Declaration:
 
 
 def file_hash(path) -> str:
-  """SHA-256 (hex) of the file's bytes."""
-  with open(path, "rb") as f:
-    return hashlib.sha256(f.read()).hexdigest()
+  """SHA-256 (hex) of the file's bytes; UserError when it cannot be read."""
+  try:
+    with open(path, "rb") as f:
+      return hashlib.sha256(f.read()).hexdigest()
+  except OSError as e:
+    raise errors.UserError(f"cannot read the declaration {path!r}: {e.strerror}") from None
 
 
 def read_record(workdir) -> dict | None:
   file = os.path.join(workdir, RECORD)
   if not os.path.exists(file):
     return None
-  with open(file) as f:
-    return json.load(f)
+  return records.read(records.DeclarationRecord, file)
 
 
 def record(workdir, path) -> dict:

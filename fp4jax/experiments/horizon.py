@@ -28,7 +28,6 @@ by `nats` (finite losses only), and the final validation loss.
 """
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -37,6 +36,7 @@ import numpy as np
 
 from fp4jax import diagnostics
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
 from fp4jax.experiments import inference
 from fp4jax.experiments import plots
@@ -164,9 +164,11 @@ def growth_section(workdir, path=None) -> list[str]:
   docstring), the validity rule, and RESULTS/contrasts.png."""
   path = path or os.path.join(workdir, "DECLARATION.json")
   decl = declaration_lib.load(path)
-  with open(path) as f:
-    raw = json.load(f)
-  lo, hi = raw["growth"]["from_step"], raw["growth"]["to_step"]
+  raw = records.read(records.HorizonDeclaration, path)
+  growth_ = records.check(records.Growth, raw["growth"], f"{path}: growth")
+  for i, rule in enumerate(raw.get("validity") or []):
+    records.check(records.ValidityRule, rule, f"{path}: validity[{i}]")
+  lo, hi = growth_["from_step"], growth_["to_step"]
   runs = report.load_runs(workdir)
   slope, smallest = report.smallest_effect(runs, decl)
   smallest_growth = smallest / math.log(hi / lo)
@@ -187,7 +189,7 @@ def growth_section(workdir, path=None) -> list[str]:
            f"Holm over the {len(decl.claims)} claims as for the primary statistic. Figure: "
            "contrasts.png.", ""]
   lines += verdicts.lines(results, smallest_growth, decl.power)
-  for rule in raw.get("validity", []):
+  for rule in raw.get("validity") or []:
     lines += validity_lines(runs, rule)
   return lines + crossing_lines(crossings, curves, marks)
 

@@ -14,7 +14,6 @@ still going).
 """
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ import numpy as np
 
 from fp4jax import diagnostics
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
 from fp4jax.experiments import inference
 from fp4jax.experiments import plots
@@ -74,15 +74,9 @@ def run_dir(workdir, recipe, seed, n_seeds):
   return os.path.join(workdir, recipe if n_seeds == 1 else f"{recipe}_seed{seed}")
 
 
-def _read_json(path):
-  """The JSON in `path` (None when missing); UserError when damaged."""
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except ValueError as e:
-    raise errors.UserError(f"{path} is damaged ({e}); repair or delete it") from None
+def _read_record(kind, path):
+  """The JSON in `path` checked against records.`kind`, or None when missing."""
+  return records.read(kind, path) if os.path.exists(path) else None
 
 
 def load_run(path, recipe, seed) -> Run | None:
@@ -93,8 +87,8 @@ def load_run(path, recipe, seed) -> Run | None:
   evals = [(r["tokens"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
   tokens_T = np.array([t for t, _ in evals], np.float64)
   loss_T = np.array([l for _, l in evals], np.float64)
-  summary = _read_json(os.path.join(path, "summary.json"))
-  wall = _read_json(os.path.join(path, "wall.json"))
+  summary = _read_record(records.Summary, os.path.join(path, "summary.json"))
+  wall = _read_record(records.Wall, os.path.join(path, "wall.json"))
   skipped = max(int(r.get("skipped_steps") or 0) for r in rows)
   return Run(recipe, seed, path, rows, tokens_T, loss_T, summary and summary["status"],
              skipped, wall and wall["wall_s"])
@@ -549,8 +543,11 @@ def _redraw(workdir, opts):
   if not os.path.isdir(workdir):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
                            "--workdir of an ablation")
-  saved = _read_json(os.path.join(workdir, "ablation_config.json")) or {}
-  ab, diag = saved.get("ablation", {}), saved.get("diagnostics", {})
+  where = os.path.join(workdir, "ablation_config.json")
+  saved = _read_record(records.StudyConfig, where) or {}
+  ab = records.check(records.AblationBlock, saved.get("ablation", {}), f"{where}: ablation")
+  diag = records.check(records.DiagnosticsBlock, saved.get("diagnostics") or {},
+                       f"{where}: diagnostics")
   target = opts.get("target", ab.get("target_loss"))
   write_report(
       workdir, ab["recipes"].split(",") if "recipes" in ab else None,

@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 
-from fp4jax import errors
+from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import workdir as workdir_lib
 
@@ -67,18 +67,7 @@ def study_differences(folder, config):
   path = os.path.join(folder, RECORD)
   if not os.path.exists(path):
     return []
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise errors.UserError(f"{path} cannot be read ({e}); it records the "
-                           "config of the study in that folder: restore it "
-                           "or use another folder") from None
-  if not isinstance(saved, dict):
-    raise errors.UserError(f"{path}: the study's config record holds a "
-                           f"{type(saved).__name__}, not a config; restore "
-                           "it or use another folder")
-  return differences(saved, _plain(config))
+  return differences(records.read(records.StudyConfig, path), _plain(config))
 
 
 def run_differences(run_path, cfg):
@@ -86,11 +75,8 @@ def run_differences(run_path, cfg):
   run in `run_path` was trained with (its config.json, "resolved" left
   out); None when that is missing or not a config the trainer wrote."""
   try:
-    with open(os.path.join(run_path, "config.json")) as f:
-      saved = json.load(f)
-  except (OSError, ValueError):
-    return None
-  if not workdir_lib.usable_config(saved):
+    saved = records.read(records.RunConfig, os.path.join(run_path, "config.json"))
+  except records.RecordError:
     return None
   saved = {k: v for k, v in saved.items() if k != "resolved"}
   return differences(saved, _plain(cfg))

@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from fp4jax import errors
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes
+from fp4jax import records
 from fp4jax import sharding as sharding_lib
 
 # safetensors dtype codes we read (converted exactly to float32).
@@ -68,7 +70,7 @@ _EMBED = (("embed", "embedding"), "model.embed_tokens.weight", "same")
 _TOP = ((("final_norm", "scale"), "model.norm.weight", "same"), *_kernels("head"))
 
 
-class ConvertError(ValueError):
+class ConvertError(errors.UserError):
   """A checkpoint, config field or argument that cannot be converted."""
 
 
@@ -267,9 +269,12 @@ def weight_files(directory):
   """{tensor name: safetensors file} of a Hugging Face model directory."""
   index = os.path.join(directory, INDEX_FILE)
   if os.path.exists(index):
-    weight_map = read_json(index, "index").get("weight_map")
-    if not isinstance(weight_map, dict):
-      raise ConvertError(f"{index!r} has no 'weight_map'")
+    weight_map = records.check(records.HfIndex, read_json(index, "index"),
+                               index)["weight_map"]
+    outside = [f for f in weight_map.values() if not records.inside(directory, f)]
+    if outside:
+      raise ConvertError(f"{index}: weight_map names the file {outside[0]!r}, "
+                         f"which is not inside {directory!r}")
     return {name: os.path.join(directory, f) for name, f in weight_map.items()}
   single = os.path.join(directory, SINGLE_FILE)
   if not os.path.exists(single):
@@ -303,7 +308,8 @@ class HfCheckpoint:
     if not os.path.isfile(config_path):
       raise ConvertError(f"{directory!r} is not a Hugging Face checkpoint "
                          "(no config.json)")
-    fields, tied = llama_fields(read_json(config_path, "config"), config_path)
+    fields, tied = llama_fields(records.check(
+        records.HfConfig, read_json(config_path, "config"), config_path), config_path)
     check_model_fields(cfg, fields, config_path)
     self.files = weight_files(directory)
     table = tensor_table(cfg)

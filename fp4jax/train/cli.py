@@ -44,7 +44,16 @@ def load_config_file(path):
                            f"{type(e).__name__}: {e}") from None
   if not hasattr(module, "get_config"):
     raise errors.UserError(f"config file {file!r} defines no get_config()")
-  return module.get_config(arg) if arg else module.get_config()
+  try:
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception as e:  # pylint: disable=broad-except
+    raise errors.UserError(f"config file {file!r}: get_config() raised "
+                           f"{type(e).__name__}: {e}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise errors.UserError(
+        f"config file {file!r}: get_config() returned {config!r:.40}, not an "
+        "ml_collections.ConfigDict (a missing `return`?)")
+  return config
 
 
 def _check_key(config, dotted, flag):

@@ -37,6 +37,7 @@ import safetensors.numpy
 
 from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import export_fp4
 from fp4jax.llama import model as model_lib
@@ -64,11 +65,8 @@ def run_config(run_dir):
   if not os.path.isfile(path):
     raise ConvertError(f"{run_dir!r} is not an fp4jax run directory (no "
                        "config.json)")
-  config = read_json(path, "run config")
-  fields = config.get("resolved", {}).get("model")
-  if not isinstance(fields, dict):
-    raise ConvertError(f"{path!r} has no 'resolved.model' (not written by "
-                       "fp4jax's trainer)")
+  config = records.check(records.RunConfig, read_json(path, "run config"), path)
+  fields = records.check(records.Resolved, config["resolved"], f"{path}: resolved")["model"]
   fields = {k: tuple(v) if isinstance(v, list) else v
             for k, v in fields.items()}
   try:
@@ -230,14 +228,14 @@ def write_weights(params, cfg, out_dir, dtype, max_bytes, packed=None):
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map},
                 f, indent=2)
   return len(files), total
+
+
 def _kernel(params, path, layer):
   """The NumPy array at `path` of params (one layer of a scanned leaf)."""
   leaf = params
   for key in path:
     leaf = leaf[key]
   return np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
-
-
 
 
 def _check_target(out_dir, overwrite):
@@ -364,13 +362,13 @@ def main(argv=None):
   exp.add_argument("--quantize", default=None,
                    help="write the block linears packed: nvfp4 or mxfp4")
   exp.add_argument("--layout", default=None,
+                   help="of a packed export: compressed-tensors (default; "
+                   "vLLM, SGLang) or modelopt (NVFP4; TensorRT-LLM)")
   exp.add_argument("--fused_scale", default="shared",
                    help="NVFP4 per-tensor scales of q/k/v and gate/up: "
                    "shared (what fusing engines need; the weights this "
                    "changes are counted) or per-projection (each layer's "
                    "own, exactly the trained forward)")
-                   help="of a packed export: compressed-tensors (default; "
-                   "vLLM, SGLang) or modelopt (NVFP4; TensorRT-LLM)")
   args = parser.parse_args(argv)
   try:
     lines = export(args.run_dir, args.out_dir, step=args.step,

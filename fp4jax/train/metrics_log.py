@@ -15,6 +15,7 @@ import sys
 import time
 
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.train import atomic
 
 
@@ -26,7 +27,8 @@ def read_metrics(workdir):
   """Returns the rows of WORKDIR/metrics.jsonl as a list of dicts.
 
   A last line that does not parse (being written, or cut by a kill) is
-  skipped; MetricsError names any other line that does not.
+  skipped; MetricsError names any other line that does not, and any row
+  that is not a records.MetricsRow (a step that is not an integer, ...).
   """
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
@@ -42,7 +44,10 @@ def read_metrics(workdir):
         break
       raise MetricsError(f"{path} line {number} is not a JSON row ({e}); "
                          "repair or delete that line") from None
-    rows.append(row)
+    try:
+      rows.append(records.check(records.MetricsRow, row, f"{path} line {number}"))
+    except records.RecordError as e:
+      raise MetricsError(f"{e}; repair or delete that line") from None
   return rows
 
 

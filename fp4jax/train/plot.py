@@ -7,7 +7,6 @@ carry an eval_loss). A run's label defaults to its directory name and recipe.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -18,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.train.metrics_log import read_metrics
 
 
@@ -41,9 +41,10 @@ def eval_curve(workdir):
 def _label(workdir):
   name = os.path.basename(os.path.normpath(workdir))
   try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      recipe = json.load(f)["resolved"]["recipe"]["name"]
-  except (OSError, KeyError, ValueError):
+    path = os.path.join(workdir, "config.json")
+    resolved = records.read(records.RunRecipe, path)["resolved"]
+    recipe = records.check(records.ResolvedRecipe, resolved, path)["recipe"].get("name")
+  except records.RecordError:
     return name
   return name if recipe == name else f"{name} ({recipe})"
 

@@ -26,6 +26,7 @@ partial history/ behind.
 import errno
 import fcntl
 import json
+import math
 import os
 import shutil
 import socket
@@ -38,6 +39,7 @@ import numpy as np
 
 from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import metrics_log
 
@@ -223,11 +225,10 @@ class WorkdirLock:
 
   def _read(self):
     try:
-      with open(self.path) as f:
-        return json.load(f)
-    except FileNotFoundError:
-      return None
-    except (OSError, ValueError):
+      return records.read(records.LockRecord, self.path)
+    except records.RecordError:
+      if not os.path.exists(self.path):
+        return None
       return {}  # being written, or damaged: treated as held
 
   def _take_over_if_stale(self):
@@ -339,9 +340,11 @@ def config_differences(requested, saved):
 
 def usable_config(saved):
   """True for a config dict as the trainer writes it (not `[]`, not {})."""
-  return (isinstance(saved, dict) and isinstance(saved.get("model"), dict)
-          and isinstance(saved.get("quant"), dict)
-          and isinstance(saved.get("resolved"), dict))
+  try:
+    records.check(records.RunConfig, saved, "config")
+  except records.RecordError:
+    return False
+  return True
 
 
 def checkpoint_config(workdir):
@@ -353,10 +356,10 @@ def checkpoint_config(workdir):
   directory = os.path.join(workdir, "checkpoints")
   for step in reversed(checkpointing.committed_steps(directory)):
     try:
-      with open(os.path.join(directory, str(step), "data", "metadata")) as f:
-        saved = json.load(f).get("config")
-    except (OSError, ValueError, AttributeError):
-      continue
+      saved = records.read(records.CheckpointData, os.path.join(
+          directory, str(step), "data", "metadata")).get("config")
+    except records.RecordError:
+      continue  # an unusable one is set aside when the run restores
     if usable_config(saved):
       return saved
   return None
@@ -464,12 +467,18 @@ def record_override(workdir, note):
 
 def set_aside_history(workdir, start_step):
   """Copies the run's records to WORKDIR/history/<n>/ when a start at
-  `start_step` would drop metrics rows; returns that directory or None."""
+  `start_step` would drop metrics rows; returns that directory or None.
+
+  metrics_log.MetricsError (one line naming it) for a damaged row other
+  than a half-written last one: nothing is dropped before it is repaired.
+  """
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return None
+  steps = [row["step"] for row in metrics_log.read_metrics(workdir)]
   with open(path) as f:
-    steps = [metrics_log.row_step(line) for line in f if line.strip()]
+    lines = sum(1 for line in f if line.strip())
+  steps += [math.inf] * (lines - len(steps))  # a half-written last line
   dropped = [s for s in steps if s > start_step or start_step == 0]
   if not dropped:
     return None
