@@ -270,9 +270,10 @@ def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
     exports, runs, tmp_path, name):
   torch, _, _ = _interop()
   from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter  # pylint: disable=g-import-not-at-top
-  out = str(tmp_path / "modelopt")
-  export.export(runs[name], out, quantize="nvfp4", layout="modelopt",
-                fused_scale="per-projection")
+  out, ct_out = str(tmp_path / "modelopt"), str(tmp_path / "ct")
+  for directory, layout in ((out, "modelopt"), (ct_out, "compressed-tensors")):
+    export.export(runs[name], directory, quantize="nvfp4", layout=layout,
+                  fused_scale="per-projection", activations="fp4")
   with open(os.path.join(out, export_fp4.MODELOPT_CONFIG)) as f:
     quantization = json.load(f)["quantization"]
   assert (quantization["quant_algo"], quantization["group_size"]) == ("NVFP4",
@@ -283,11 +284,12 @@ def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
   converted = ModelOptNvfp4Converter(
       ignore=quantization["exclude_modules"], targets=["Linear"]).validate(
           dict(modelopt))
-  ours = _tensors(exports[name][0])
+  ours = _tensors(ct_out)
   assert sorted(converted) == sorted(ours)
+  assert "model.layers.1.mlp.up_proj.input_global_scale" in ours
   for key, want in ours.items():
     got = converted[key]
-    if key.endswith("weight_global_scale"):  # a scalar in ModelOpt's layout
+    if key.endswith("global_scale"):  # a scalar in ModelOpt's layout
       got = got.reshape(1)
     assert got.dtype == want.dtype and got.shape == want.shape, key
     assert got.contiguous().view(torch.uint8).numpy().tobytes() == (
@@ -326,6 +328,39 @@ def test_fused_projections_share_one_scale_and_count_what_changes(
   counts = ", ".join(f"{p} {n:,} of {size:,}" for p, (n, size) in
                      changed.items())
   assert line.endswith("weights changed from the trained forward: " + counts)
+
+
+def test_fp4_activations_calibrate_nvfp4_input_scales(runs, tmp_path):
+  torch, _, _ = _interop()
+  from fp4jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path / "w4a4")
+  lines = export.export(runs["nvfp4"], out, quantize="nvfp4",
+                        activations="fp4", calibration_batches=2)
+  assert "NVFP4 input scales calibrated on 2 validation batch(es)" in (
+      " ".join(lines))
+  config = _quantization_config(out)["config_groups"]["group_0"]
+  assert config["input_activations"]["dynamic"] == "local"
+  # max |input| of each layer over the run's first two validation batches.
+  cfg, recipe, params = _run(runs["nvfp4"])
+  windows = pipeline.validation_windows(
+      pipeline.data_config(), tokenizers.make_tokenizer("bytes"), seq_len=32,
+      batch_size=8, num_batches=2)
+  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
+  amax = {}
+  for window in windows:
+    _, sown = llama.apply({"params": params}, window[:, :-1],
+                          mutable=["intermediates", "perturbations"],
+                          rngs={"quant": jax.random.key(0)})
+    for name, node in sown["intermediates"]["block_1"]["attn"].items():
+      x = np.abs(np.asarray(node["DotGeneral_0"]["lhs"][0], np.float32))
+      amax[name] = max(amax.get(name, 0), x.max())
+  tensors = _tensors(out)
+  for name in ("q", "k", "v", "o"):
+    scale = tensors[f"model.layers.1.self_attn.{name}_proj.input_global_scale"]
+    want = np.float32(1) / (np.float32(amax[name]) * np.float32(1 / 2688))
+    assert scale.item() == want, name
+  assert "model.layers.0.self_attn.q_proj.input_global_scale" not in tensors
 
 
 def test_packed_weights_take_028x_of_bf16(exports):
@@ -372,6 +407,13 @@ def test_bad_input_is_one_line_with_exit_code_2(runs, tmp_path, capsys):
        "--layout 'gguf'; allowed: ['compressed-tensors', 'modelopt']"),
       ("nvfp4", ["--layout", "modelopt"], "--layout 'modelopt' needs "
        "--quantize"),
+      ("nvfp4", ["--quantize", "nvfp4", "--activations", "int8"],
+       "--activations 'int8'; allowed: ['none', 'fp4']"),
+      ("nvfp4", ["--quantize", "nvfp4", "--layout", "modelopt",
+                 "--activations", "none"], "--layout modelopt is NVFP4 with "
+       "FP4 activations (W4A4) only"),
+      ("nvfp4", ["--quantize", "nvfp4", "--fused_scale", "max"],
+       "--fused_scale 'max'; allowed: ['shared', 'per-projection']"),
       ("mxfp4-rh16", ["--quantize", "mxfp4"], "rotates Fprop with Hadamard "
        "signs 'per-step'")):
     out = tmp_path / "out"

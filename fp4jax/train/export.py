@@ -2,7 +2,9 @@
 
   python -m fp4jax.convert export RUN_DIR OUT_DIR [--step N] \\
       [--dtype float32|bfloat16] [--max_shard_gb 5] [--overwrite] \\
-      [--quantize nvfp4|mxfp4 [--layout compressed-tensors|modelopt]]
+      [--quantize nvfp4|mxfp4 [--layout compressed-tensors|modelopt]
+       [--fused_scale shared|per-projection] [--activations none|fp4]
+       [--calibration_batches N]]
 
 writes a directory that `transformers.AutoModelForCausalLM.from_pretrained`
 loads as a `LlamaForCausalLM` (no custom code): config.json, the weights as
@@ -250,7 +252,8 @@ def _check_target(out_dir, overwrite):
 
 
 def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
-           overwrite=False, quantize=None, layout=None, fused_scale="shared"):
+           overwrite=False, quantize=None, layout=None, fused_scale="shared",
+           activations=None, calibration_batches=None):
   """Writes the run's checkpoint `step` (default newest) as a HF Llama.
 
   Written into `out_dir`.partial and renamed to `out_dir` when complete; an
@@ -258,9 +261,12 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   quantize: None (dense) or "nvfp4" / "mxfp4", written in `layout` (default
   "compressed-tensors"; fp4jax.train.export_fp4), with NVFP4 per-tensor
   scales shared by fused projections (`fused_scale` "shared") or each
-  layer's own ("per-projection"). Returns the lines of a short report (files
-  written, a post-training quantization notice, the weights the shared
-  scales change, tokenizer).
+  layer's own ("per-projection"), and `activations` "none" (W4A16) or "fp4"
+  (W4A4; NVFP4 input scales from `calibration_batches` validation batches,
+  default the run's eval_batches; None: the layout's default). Returns the
+  lines of a short report (files written, a post-training quantization
+  notice, the weights the shared scales change, the calibration,
+  tokenizer).
   """
   if dtype not in EXPORT_DTYPES:
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
@@ -274,10 +280,17 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   config, cfg = run_config(run_dir)
   step = run_step(run_dir, step)
   packed = None if quantize is None else export_fp4.PackedExport(
-      config, cfg, step, quantize, layout or "compressed-tensors", fused_scale)
+      config, cfg, step, quantize, layout or "compressed-tensors", fused_scale,
+      activations)
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
+  calibrated = None
+  if packed is not None and packed.calibrates:
+    calibrated = calibration_batches or int(config.get("eval_batches", 1))
+    if calibrated < 1:
+      raise ConvertError(f"--calibration_batches must be >= 1, got {calibrated}")
+    packed.calibrate(config, params, calibrated)
   tokenizer, tok = _run_tokenizer(tokenizer, config.get("resolved", {}).get("tokenizer"))
   partial = out_dir + ".partial"
   if os.path.isdir(partial):
@@ -305,6 +318,9 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
           f"{total:,} bytes ({kind}) in {n_files} file(s)", *notices,
           tokenizer_line]
 
+  if calibrated:
+    notices.append(f"activations: FP4 (W4A4), NVFP4 input scales calibrated "
+                   f"on {calibrated} validation batch(es) of the run")
 
 def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
                   max_shard_gb, packed):
@@ -374,7 +390,15 @@ def main(argv=None):
     lines = export(args.run_dir, args.out_dir, step=args.step,
                    dtype=args.dtype, max_shard_gb=args.max_shard_gb,
                    overwrite=args.overwrite, quantize=args.quantize,
-                   layout=args.layout, fused_scale=args.fused_scale)
+  exp.add_argument("--activations", default=None,
+                   help="none (W4A16; compressed-tensors' default) or fp4 "
+                   "(W4A4; modelopt's only)")
+  exp.add_argument("--calibration_batches", type=int, default=None,
+                   help="validation batches the NVFP4 input scales are "
+                   "calibrated on (default: the run's eval_batches)")
+                   layout=args.layout, fused_scale=args.fused_scale,
+                   activations=args.activations,
+                   calibration_batches=args.calibration_batches)
   except (ConvertError, errors.UserError, OSError) as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2

@@ -19,6 +19,15 @@ in bf16, in place of its dense weight (`model.layers.i.<proj>`):
     (float32 scalar, fp4jax's per-tensor scale amax / (6 * 448)), and
     hf_quant_config.json
 
+Activations (`--activations`): "none" (W4A16, the default of the
+compressed-tensors layout) or "fp4" (W4A4, the modelopt layout's only one):
+MXFP4 inputs are quantized dynamically by the engine; NVFP4 inputs need a
+per-tensor scale, calibrated here as fp4jax computes one (max |x| / (6 *
+448)) over the largest input each layer sees in the run's first
+--calibration_batches validation batches, run through the trained forward;
+written as input_global_scale (its reciprocal, compressed-tensors) or
+input_scale (modelopt).
+
 Codes and scales come from fp4jax.llama.fp4_weights: exactly those of the
 trained forward when its Fprop weight operand is the exported format, else
 a post-training round to nearest (`PackedExport.notice` says so). Embeddings,
@@ -26,14 +35,22 @@ norms, the head and the layers kept in bf16 stay dense, and are named in
 `ignore` / `exclude_modules`.
 """
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from fp4jax import recipes
 from fp4jax import schedule
+from fp4jax.data import pipeline
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import linears
+from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import ConvertError
+from fp4jax.numerics import formats
+from fp4jax.numerics import operand
 from fp4jax.train.config import resolve_recipe
 
 LAYOUTS = {"compressed-tensors": ("nvfp4", "mxfp4"), "modelopt": ("nvfp4",)}
@@ -45,6 +62,7 @@ _BLOCK_PATHS = {layer.path: layer for layer in linears.BLOCK}
 # The projections vLLM and TensorRT-LLM fuse into one GEMM.
 FUSED_GROUPS = (("attn/q", "attn/k", "attn/v"), ("mlp/gate", "mlp/up"))
 FUSED_SCALES = ("shared", "per-projection")
+ACTIVATIONS = ("none", "fp4")
 
 
 def run_recipe(config, step):
@@ -68,7 +86,8 @@ class PackedExport:
   config: the run's config.json; cfg: its LlamaConfig; step: the checkpoint.
   """
 
-  def __init__(self, config, cfg, step, fmt, layout, fused_scale="shared"):
+  def __init__(self, config, cfg, step, fmt, layout, fused_scale="shared",
+               activations=None):
     if fmt not in fp4_weights.FORMATS:
       raise ConvertError(f"--quantize {fmt!r}; allowed: "
                          f"{list(fp4_weights.FORMATS)}")
@@ -80,7 +99,17 @@ class PackedExport:
     if fused_scale not in FUSED_SCALES:
       raise ConvertError(f"--fused_scale {fused_scale!r}; allowed: "
                          f"{list(FUSED_SCALES)}")
+    activations = activations or ("fp4" if layout == "modelopt" else "none")
+    if activations not in ACTIVATIONS:
+      raise ConvertError(f"--activations {activations!r}; allowed: "
+                         f"{list(ACTIVATIONS)}")
+    if layout == "modelopt" and activations != "fp4":
+      raise ConvertError("--layout modelopt is NVFP4 with FP4 activations "
+                         "(W4A4) only; for W4A16 use --layout "
+                         "compressed-tensors")
     self.cfg, self.fmt, self.layout = cfg, fmt, layout
+    self.activations = activations
+    self.input_amax = {}  # hf module name -> float32, set by calibrate()
     # NVFP4's per-tensor scale is shared by each fused group (MXFP4 has none).
     self.shared = fused_scale == "shared" and fmt == "nvfp4"
     self.changed = {}  # projection path -> [weights changed, weights]
@@ -101,10 +130,21 @@ class PackedExport:
     return self._block_linear(row) is not None and not self.cfg.is_bf16(
         self._block(row))
 
+  @property
+  def calibrates(self):
+    """Whether the layers need static input scales (NVFP4, FP4 activations)."""
+    return self.activations == "fp4" and self.fmt == "nvfp4"
+
+  def calibrate(self, config, params, n_batches):
+    """Sets the input amax of every packed layer from the run's validation
+    batches (config: the run's config.json; params: its parameters)."""
+    amax = input_amax(config, self.cfg, self.recipe, params, n_batches)
+    self.input_amax = amax
+
   def nbytes(self, shape):
     """Bytes of a packed layer whose fp4jax kernel (one layer) has `shape`."""
     n = int(np.prod(shape))
-    return n // 2 + n // fp4_weights.FORMATS[self.fmt] + 4
+    return n // 2 + n // fp4_weights.FORMATS[self.fmt] + 8
 
   def fused_line(self):
     """One line: how many weights the shared scales change, per projection."""
@@ -127,14 +167,21 @@ class PackedExport:
     else:
       w = fp4_weights.fp4_weight(kernel, layer.n_in, self.cfg.dtype, self.plan)
     module = row[0][:-len(".weight")]
+    input_scale = None
+    if self.calibrates:
+      input_scale = _per_tensor_scale(self.input_amax[module])
     if self.layout == "modelopt":
       return {f"{module}.weight": w.packed, f"{module}.weight_scale": w.scales,
-              f"{module}.weight_scale_2": np.asarray(w.global_scale, np.float32)}
+              f"{module}.weight_scale_2": np.asarray(w.global_scale, np.float32),
+              f"{module}.input_scale": np.asarray(input_scale, np.float32)}
     out = {f"{module}.weight_packed": w.packed,
            f"{module}.weight_scale": w.scales}
     if w.global_scale is not None:
       out[f"{module}.weight_global_scale"] = np.float32(1) / np.asarray(
           [w.global_scale], np.float32)
+    if input_scale is not None:
+      out[f"{module}.input_global_scale"] = np.float32(1) / np.asarray(
+          [input_scale], np.float32)
     return out
 
   def _fused(self, row, group, kernel_of):
@@ -167,7 +214,9 @@ class PackedExport:
     ignore = self.ignored(table)
     return {
         "config_groups": {"group_0": {
-            "format": None, "input_activations": None,
+            "format": None,
+            "input_activations": (_ct_inputs(self.fmt)
+                                  if self.activations == "fp4" else None),
             "output_activations": None, "targets": ["Linear"],
             "weights": _ct_weights(self.fmt)}},
         "format": CT_FORMATS[self.fmt], "global_compression_ratio": None,
@@ -203,6 +252,80 @@ class PackedExport:
 
   def _block(self, row):
     return int(row[0].split(".")[2])  # model.layers.<i>.
+
+
+def _per_tensor_scale(amax):
+  """fp4jax's NVFP4 per-tensor scale of a tensor of max |x| `amax` (float32;
+  1 for 0), fp4jax.numerics.formats."""
+  g = np.float32(amax) * np.float32(1 / formats.NVFP4_GLOBAL_DIVISOR)
+  return g if g > 0 else np.float32(1)
+
+
+def input_amax(config, cfg, recipe, params, n_batches):
+  """{hf module name: float32 max |input|} of the block linears over the
+  run's first `n_batches` validation batches, through the trained forward
+  (the input as its Fprop quantizes it: flattened and rotated)."""
+  data_cfg = pipeline.data_config()
+  data_cfg.update(config.get("data", {}))
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  try:
+    windows = pipeline.validation_windows(
+        data_cfg, tokenizers.make_tokenizer(data_cfg.tokenizer),
+        seq_len=config["seq_len"],
+        batch_size=config.get("eval_batch_size") or config["batch_size"],
+        num_batches=n_batches)
+  except (ValueError, OSError, ImportError) as e:
+    raise ConvertError(f"calibration: the run's validation data: {e}") from e
+  cfg, params = _unscanned(cfg, params)
+  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
+  rotation = recipe.fprop.hadamard
+
+  @jax.jit
+  def batch_amax(tokens):
+    _, sown = llama.apply({"params": params}, tokens,
+                          mutable=["intermediates", "perturbations"],
+                          rngs={"quant": jax.random.key(0),
+                                "hadamard": jax.random.key(0)})
+    out = {}
+    for i in range(cfg.n_layers):
+      for layer in linears.BLOCK:
+        node = sown["intermediates"][f"block_{i}"]
+        for key in layer.path.split("/"):
+          node = node[key]
+        x = node["DotGeneral_0"]["lhs"][0]
+        x = x.reshape(x.shape[:x.ndim - layer.n_in] + (-1,))
+        x = operand.rotate_padded(x, rotation, None, x.ndim - 1)
+        out[f"model.layers.{i}.{layer.hf_name[:-len('.weight')]}"] = (
+            jnp.max(jnp.abs(x.astype(jnp.float32))))
+    return out
+
+  amax = {}
+  for window in windows:
+    for name, a in batch_amax(jnp.asarray(window[:, :-1])).items():
+      amax[name] = max(amax.get(name, np.float32(0)), np.float32(a))
+  return amax
+
+
+def _unscanned(cfg, params):
+  """(cfg, params) with scanned blocks split into block_<i> trees."""
+  if not cfg.scan_layers:
+    return cfg, params
+  params = dict(params)
+  blocks = params.pop("blocks")
+  for i in range(cfg.n_layers):
+    params[f"block_{i}"] = jax.tree.map(lambda x, i=i: x[i], blocks)
+  return dataclasses.replace(cfg, scan_layers=False), params
+
+
+def _ct_inputs(fmt):
+  """compressed-tensors' input QuantizationArgs of NVFP4 / MXFP4 (W4A4)."""
+  if fmt == "nvfp4":
+    return {"dynamic": "local", "group_size": 16, "num_bits": 4,
+            "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn",
+            "strategy": "tensor_group", "symmetric": True, "type": "float"}
+  return {"dynamic": True, "group_size": 32, "num_bits": 4,
+          "scale_dtype": "torch.uint8", "strategy": "group", "symmetric": True,
+          "type": "float"}
 
 
 def _ct_weights(fmt):
