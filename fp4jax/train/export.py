@@ -284,13 +284,13 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
       activations)
   params = checkpointing.restore_params(
       os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
-  tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   calibrated = None
   if packed is not None and packed.calibrates:
     calibrated = calibration_batches or int(config.get("eval_batches", 1))
     if calibrated < 1:
       raise ConvertError(f"--calibration_batches must be >= 1, got {calibrated}")
     packed.calibrate(config, params, calibrated)
+  tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   tokenizer, tok = _run_tokenizer(tokenizer, config.get("resolved", {}).get("tokenizer"))
   partial = out_dir + ".partial"
   if os.path.isdir(partial):
@@ -313,14 +313,14 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
       f"{quantize} in the {packed.layout} layout, the rest {dtype}")
   notices = [] if packed is None else [
       line for line in (packed.notice(), packed.fused_line()) if line]
+  if calibrated:
+    notices.append(f"activations: FP4 (W4A4), NVFP4 input scales calibrated "
+                   f"on {calibrated} validation batch(es) of the run")
   return [f"wrote {out_dir}: step {step} of {run_dir}, "
           f"{len(tensor_table(cfg))} tensors, "
           f"{total:,} bytes ({kind}) in {n_files} file(s)", *notices,
           tokenizer_line]
 
-  if calibrated:
-    notices.append(f"activations: FP4 (W4A4), NVFP4 input scales calibrated "
-                   f"on {calibrated} validation batch(es) of the run")
 
 def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
                   max_shard_gb, packed):
@@ -385,17 +385,17 @@ def main(argv=None):
                    "shared (what fusing engines need; the weights this "
                    "changes are counted) or per-projection (each layer's "
                    "own, exactly the trained forward)")
-  args = parser.parse_args(argv)
-  try:
-    lines = export(args.run_dir, args.out_dir, step=args.step,
-                   dtype=args.dtype, max_shard_gb=args.max_shard_gb,
-                   overwrite=args.overwrite, quantize=args.quantize,
   exp.add_argument("--activations", default=None,
                    help="none (W4A16; compressed-tensors' default) or fp4 "
                    "(W4A4; modelopt's only)")
   exp.add_argument("--calibration_batches", type=int, default=None,
                    help="validation batches the NVFP4 input scales are "
                    "calibrated on (default: the run's eval_batches)")
+  args = parser.parse_args(argv)
+  try:
+    lines = export(args.run_dir, args.out_dir, step=args.step,
+                   dtype=args.dtype, max_shard_gb=args.max_shard_gb,
+                   overwrite=args.overwrite, quantize=args.quantize,
                    layout=args.layout, fused_scale=args.fused_scale,
                    activations=args.activations,
                    calibration_batches=args.calibration_batches)
