@@ -11,14 +11,16 @@ the space free there (`disk_full`); `is_disk_full` recognises ENOSPC in an
 error or anything it wraps (orbax and tensorstore wrap it in their own
 exceptions).
 
-`exit_on_signals(prog)` makes SIGINT / SIGTERM during start-up (imports,
+`exit_on_signals(prog[, what])` makes SIGINT / SIGTERM during start-up (imports,
 compilation, restoring a checkpoint: before the training loop installs its
 own handlers, which save a checkpoint) print one line and end the process at
 once with status 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
 It leaves through os._exit: raising KeyboardInterrupt inside an import or
 while native threads (XLA, tensorstore, grain) start can crash the
 interpreter on its way out. Functions registered with `on_signal_exit` (the
-workdir lock's release) run first. This module imports no JAX, so a CLI can
+workdir lock's release, an export's partial folder) run first. A command
+that is not a training run (an export) passes its own `what`;
+`exit_at_once` is the same exit for a second signal while a run saves. This module imports no JAX, so a CLI can
 install the handlers before its heavy imports.
 """
 
@@ -91,20 +93,27 @@ def forget_signal_exit(fn):
     _CLEANUPS.remove(fn)
 
 
-def exit_on_signals(prog):
-  """Installs the start-up handlers of SIGINT and SIGTERM for program `prog`."""
+def exit_at_once(prog, signum, what):
+  """Prints `prog: SIGNAME what`, runs the on_signal_exit functions and ends
+  the process with status 128 + signum (no traceback, no unwinding)."""
+  print(f"{prog}: {signal.Signals(signum).name} {what}", file=sys.stderr,
+        flush=True)
+  for fn in list(_CLEANUPS):
+    try:
+      fn()
+    except Exception:  # pylint: disable=broad-except
+      pass  # leaving anyway; a stale lock is detected on the next start
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+def exit_on_signals(prog, what="during start-up; stopped before training "
+                    "began (nothing to save)."):
+  """Installs handlers of SIGINT and SIGTERM for program `prog` that end it
+  at once with the one line `prog: SIGNAME what` (exit_at_once)."""
 
   def handle(signum, frame):
     del frame
-    name = signal.Signals(signum).name
-    print(f"{prog}: {name} during start-up; stopped before training began "
-          "(nothing to save).", file=sys.stderr, flush=True)
-    for fn in list(_CLEANUPS):
-      try:
-        fn()
-      except Exception:  # pylint: disable=broad-except
-        pass  # leaving anyway; a stale lock is detected on the next start
-    os._exit(128 + signum)  # pylint: disable=protected-access
+    exit_at_once(prog, signum, what)
 
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, handle)

@@ -392,6 +392,59 @@ def test_a_signal_during_start_up_is_one_line(tmp_path, sig, status):
   assert "Traceback" not in out and "Fatal Python error" not in out
 
 
+# train.py whose process sends itself SIGINT after step 5 and again as the
+# stop checkpoint starts: two real signals, the second while saving.
+TWO_SIGINTS = (
+    "import os, runpy, signal, sys; from fp4jax import checkpointing; "
+    "from fp4jax.train import trainer; advance, save = trainer._advance, "
+    "checkpointing.Checkpoints.save\n"
+    "def advance_(run, *a):\n"
+    "  out = advance(run, *a)\n"
+    "  if a[2].step == 5: os.kill(os.getpid(), signal.SIGINT)\n"
+    "  return out\n"
+    "def save_(self, step, *a):\n"
+    "  if step == 5: os.kill(os.getpid(), signal.SIGINT)\n"
+    "  return save(self, step, *a)\n"
+    "trainer._advance, checkpointing.Checkpoints.save = advance_, save_\n"
+    "sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+
+
+def test_a_second_sigint_during_the_stop_checkpoint_is_one_line(workdir, corpus):
+  path, before = workdir
+  rc, out = train(path, corpus, "--config.steps=8", code=TWO_SIGINTS)
+  assert rc == 130, out[-3000:]
+  assert ("fp4jax: SIGINT again: stopped at once; the checkpoint at step 4 is kept "
+          "(rerun to resume from it); a checkpoint being saved is not.") in out, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  _kept(before, path)
+  rc, out = train(path, corpus, "--config.steps=8")
+  assert rc == 0 and "resuming at step 4" in out, out[-3000:]
+
+
+# `python -m fp4jax.convert export` whose weight writing waits, so that the
+# test's SIGINT comes while it writes.
+SLOW_EXPORT = (
+    "import runpy, sys, time; from fp4jax.train import export\n"
+    "def write_weights(*a, **k):\n"
+    "  print('writing', flush=True); time.sleep(60)\n"
+    "export.write_weights = write_weights\n"
+    "sys.argv[0] = 'convert'; runpy.run_module('fp4jax.convert', run_name='__main__')")
+
+
+def test_sigint_during_an_export_is_one_line_and_writes_nothing(trained, tmp_path):
+  out_dir = tmp_path / "hf"
+  proc = subprocess.Popen([sys.executable, "-c", SLOW_EXPORT, "export", str(trained),
+                           str(out_dir)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  assert proc.stdout.readline().strip() == "writing"
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=TIMEOUT_S)
+  assert proc.returncode == 130, out[-3000:]
+  assert out.strip() == ("python -m fp4jax.convert: SIGINT received: the export stopped "
+                         "and wrote nothing (OUT_DIR is as it was)."), out[-3000:]
+  assert sorted(os.listdir(tmp_path)) == []  # neither OUT_DIR nor OUT_DIR.partial
+
+
 def test_tool_clis(tmp_path):
   rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.plot")
   _user_error(rc, out, "missing", "does not exist")

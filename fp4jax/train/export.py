@@ -26,6 +26,7 @@ full disk removes the partial folder and names the space needed (exit 2).
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -295,6 +296,8 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   partial = out_dir + ".partial"
   if os.path.isdir(partial):
     shutil.rmtree(partial)  # left by a killed export
+  remove_partial = functools.partial(shutil.rmtree, partial, ignore_errors=True)
+  errors.on_signal_exit(remove_partial)  # a signal ends the CLI at once
   try:
     os.makedirs(partial)
     n_files, total, tokenizer_line = _write_export(
@@ -309,6 +312,8 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
       raise errors.disk_full(out_dir, needed * np.dtype(
           EXPORT_DTYPES[dtype]).itemsize) from None
     raise
+  finally:
+    errors.forget_signal_exit(remove_partial)
   kind = dtype if packed is None else (
       f"{quantize} in the {packed.layout} layout, the rest {dtype}")
   notices = [] if packed is None else [

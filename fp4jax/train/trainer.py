@@ -44,6 +44,7 @@ from fp4jax.train import throughput
 from fp4jax.train import wandb_log
 from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
+from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax import schedule
 from fp4jax import sharding
@@ -100,10 +101,13 @@ def _start(config):
 
 
 class _StopSignals:
-  """SIGTERM/SIGINT set a flag (a second one interrupts at once)."""
+  """SIGTERM/SIGINT set a flag; a second one ends the process at once with
+  one line naming the newest committed checkpoint under `checkpoints`
+  (what a rerun resumes from; the one being saved is not kept)."""
 
-  def __init__(self):
+  def __init__(self, checkpoints):
     self.received = None
+    self._checkpoints = checkpoints
     self._old = {}
 
   def __enter__(self):
@@ -116,7 +120,12 @@ class _StopSignals:
 
   def _handle(self, signum, frame):
     if self.received is not None:
-      raise KeyboardInterrupt
+      kept = checkpointing.committed_steps(self._checkpoints)
+      errors.exit_at_once("fp4jax", signum, (
+          f"again: stopped at once; the checkpoint at step {kept[-1]} is "
+          "kept (rerun to resume from it)" if kept else "again: stopped at "
+          "once, before any checkpoint was saved") + "; a checkpoint being "
+          "saved is not.")
     self.received = signal.Signals(signum).name
     print(f"\n{self.received} received: saving a checkpoint at the end of "
           "this step, then stopping.", flush=True)
@@ -465,7 +474,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   window = profile.Window(config.profile, workdir, first_step=start + 1)
   out, timer = _Outcome(step=start, stall=stall.StallWatch(
       model_cfg.vocab_size, after_step=config.warmup_steps)), _Timer()
-  with (sharding.use_mesh(mesh), _StopSignals() as signals,
+  with (sharding.use_mesh(mesh), _StopSignals(ckpts.directory) as signals,
         _SaveOnError(ckpts, checkpoint_data) as on_error):
     run = _Run(config=config, segs=segs, mesh=mesh, batches=batches,
                programs=[dataclasses.replace(p, step=on_error.track(p.step))
