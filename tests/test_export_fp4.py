@@ -30,10 +30,12 @@ from fp4jax import checkpointing
 from fp4jax import dot
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
+from fp4jax.llama import hf_packed
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax.train import export
 from fp4jax.train import export_fp4
+from fp4jax.train import init_from
 from fp4jax.train import trainer
 from tests.helpers import tiny_config
 
@@ -361,6 +363,63 @@ def test_fp4_activations_calibrate_nvfp4_input_scales(runs, tmp_path):
     want = np.float32(1) / (np.float32(amax[name]) * np.float32(1 / 2688))
     assert scale.item() == want, name
   assert "model.layers.0.self_attn.q_proj.input_global_scale" not in tensors
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("nvfp4", "compressed-tensors"), ("mxfp4-dh16", "compressed-tensors"),
+    ("nvfp4-4over6", "modelopt")])
+def test_init_from_reads_a_packed_export_dequantized(runs, tmp_path, name,
+                                                     layout):
+  out = str(tmp_path / "export")
+  export.export(runs[name], out, quantize=EXACT[name], layout=layout,
+                fused_scale="per-projection")
+  cfg, recipe, params = _run(runs[name])
+  source = init_from.open_source(out, cfg)
+  assert isinstance(source, hf_packed.PackedCheckpoint)
+  loaded = jax.tree.map(np.asarray, source.load(hf_llama.abstract_params(cfg)))
+  rotation = recipe.fprop.hadamard
+  for module, (values, factor) in _forward_operands(runs[name]).items():
+    want = values if factor is None else values * factor
+    if rotation is not None:
+      want = np.asarray(fp4jax.rotate(jnp.asarray(want), rotation.block, -1))
+    layer = next(l for l in linears.BLOCK if module.endswith(l.hf_name[:-7]))
+    node = loaded["block_1"]
+    for key in layer.path.split("/"):
+      node = node[key]
+    got = node["kernel"].reshape(want.shape[1], -1).T
+    # The per-tensor scale is applied as the layout stores it (one float32
+    # rounding apart); MXFP4 codes times E8M0 scales are exact.
+    np.testing.assert_allclose(got, want, rtol=2**-22 if factor else 0,
+                               atol=1e-7 if rotation else 0)
+  for path in (("embed", "embedding"), ("head", "kernel"),
+               ("block_0", "mlp", "down", "kernel")):  # dense: as trained
+    got, want = loaded, params
+    for key in path:
+      got, want = got[key], want[key]
+    np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_packed_checkpoints_that_cannot_be_read_are_named(exports, runs,
+                                                          tmp_path):
+  cfg = _run(runs["mxfp4-dh16"])[0]
+  bad = str(tmp_path / "bad")
+  shutil.copytree(exports["mxfp4-dh16"][0], bad)
+  path = os.path.join(bad, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["quantization_config"]["transform_config"]["config_groups"]["h16"][
+      "randomize"] = True
+  with open(path, "w") as f:
+    json.dump(config, f)
+  with pytest.raises(hf_llama.ConvertError, match="transform_config is read "
+                     "only as one deterministic 'hadamard'"):
+    hf_packed.checkpoint(bad, cfg)
+  config["quantization_config"]["format"] = "int-quantized"
+  with open(path, "w") as f:
+    json.dump(config, f)
+  with pytest.raises(hf_llama.ConvertError, match="format 'int-quantized' is "
+                     "not read"):
+    hf_packed.checkpoint(bad, cfg)
 
 
 def test_packed_weights_take_028x_of_bf16(exports):

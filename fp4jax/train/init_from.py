@@ -3,7 +3,9 @@
 init_from is a directory, one of
   a Hugging Face Llama: config.json and model.safetensors (or shards listed
     in model.safetensors.index.json), e.g. a published Llama 3.1 or the
-    output of `python -m fp4jax.convert export`;
+    output of `python -m fp4jax.convert export`, its linear layers dense or
+    packed in FP4 (compressed-tensors or ModelOpt; dequantized to float32,
+    fp4jax.llama.hf_packed);
   an fp4jax run directory (its newest checkpoint is read) or one of its
     checkpoints/<step> directories.
 Only the parameters are taken; optimizer state, step and data position
@@ -20,6 +22,7 @@ import os
 from fp4jax import checkpointing
 from fp4jax.train import export
 from fp4jax.llama import hf as hf_llama
+from fp4jax.llama import hf_packed
 from fp4jax.train.config import ConfigError
 
 
@@ -27,7 +30,7 @@ class _RunCheckpoint:
   """The parameters of one checkpoint of an fp4jax run."""
 
   def __init__(self, path, cfg):
-    run_dir, step = path, None
+    run_dir, step = path, None  # step: the checkpoints/<step> given, if one
     parent = os.path.dirname(os.path.normpath(path))
     if (os.path.basename(os.path.normpath(path)).isdigit()
         and os.path.basename(parent) == "checkpoints"):
@@ -44,10 +47,16 @@ class _RunCheckpoint:
           f"--config.model.scan_layers={theirs.scan_layers}")
     self.directory = os.path.join(run_dir, "checkpoints")
     self.step = export.run_step(run_dir, step)
+    self._fall_back = step is None
 
   def load(self, abstract_params):
-    return checkpointing.restore_params(self.directory, self.step,
-                                        abstract_params)
+    """The parameters of its step (when a run directory was given and that
+    newest checkpoint is damaged, of the newest readable one, said)."""
+    try:
+      return checkpointing.restore_params_newest(
+          self.directory, self.step, abstract_params, fall_back=self._fall_back)[1]
+    except checkpointing.CheckpointUnreadable as e:
+      raise ConfigError(f"bad config: config.init_from: {e}") from None
 
 
 def open_source(path, cfg):
@@ -64,7 +73,7 @@ def open_source(path, cfg):
       raise hf_llama.ConvertError(f"{path!r} is not a directory")
     is_run = (os.path.isdir(os.path.join(path, "checkpoints"))
               or os.path.isdir(os.path.join(path, "state")))
-    return _RunCheckpoint(path, cfg) if is_run else hf_llama.HfCheckpoint(
+    return _RunCheckpoint(path, cfg) if is_run else hf_packed.checkpoint(
         path, cfg)
   except hf_llama.ConvertError as e:
     raise ConfigError(f"bad config: config.init_from: {e}") from e

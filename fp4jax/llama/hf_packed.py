@@ -1,0 +1,245 @@
+"""Packed FP4 Hugging Face checkpoints read back, dequantized to float32.
+
+`checkpoint(directory, cfg)` is fp4jax.llama.hf.HfCheckpoint for a dense
+checkpoint and `PackedCheckpoint` for one whose linear layers are packed:
+
+  compressed-tensors  config.json's quantization_config, format
+                      "nvfp4-pack-quantized" (W = code * weight_scale /
+                      weight_global_scale) or "mxfp4-pack-quantized" (W =
+                      code * 2^(weight_scale - 127)); a transform_config
+                      Hadamard at the input of the packed Linears (the
+                      weights stored rotated) is undone
+  modelopt            hf_quant_config.json with quant_algo NVFP4 (W = code *
+                      weight_scale * weight_scale_2)
+
+Each packed module's `weight_packed` (or ModelOpt's uint8 `weight`) and
+scales stand for its dense `.weight`, so the checks and the sharded loading
+of HfCheckpoint apply unchanged; a packed weight is dequantized whole when a
+device first reads from it (one layer at a time). Input scales are not
+needed for the float32 weights and are skipped. Bad input raises
+ConvertError (one line).
+"""
+
+import json
+import os
+import struct
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from fp4jax.llama import hf
+from fp4jax.llama.hf import ConvertError
+from fp4jax.numerics import formats
+from fp4jax.numerics import hadamard
+
+CT_GROUPS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+MODELOPT_CONFIG = "hf_quant_config.json"
+# The tensors that stand for a packed module's weight, by layout.
+_PARTS = {"compressed-tensors": ("weight_packed", "weight_scale",
+                                 "weight_global_scale", "input_global_scale"),
+          "modelopt": ("weight", "weight_scale", "weight_scale_2",
+                       "input_scale")}
+_SAFETENSORS_DTYPES = {"U8": np.uint8, "F32": np.float32,
+                       "F8_E4M3": ml_dtypes.float8_e4m3fn}
+
+
+def checkpoint(directory, cfg):
+  """HfCheckpoint or PackedCheckpoint of `directory`, checked against cfg."""
+  if _layout(directory) is None:
+    return hf.HfCheckpoint(directory, cfg)
+  return PackedCheckpoint(directory, cfg)
+
+
+def _layout(directory):
+  """(layout, group size, rotation block or None, rotation's ignore list),
+  or None for a dense checkpoint."""
+  if os.path.isfile(os.path.join(directory, MODELOPT_CONFIG)):
+    path = os.path.join(directory, MODELOPT_CONFIG)
+    algo = hf.read_json(path, "ModelOpt config").get("quantization", {}).get(
+        "quant_algo")
+    if algo != "NVFP4":
+      raise ConvertError(f"{path}: quant_algo {algo!r} is not read; allowed: "
+                         "'NVFP4'")
+    return "modelopt", 16, None, ()
+  path = os.path.join(directory, "config.json")
+  if not os.path.isfile(path):
+    return None
+  quant = hf.read_json(path, "config").get("quantization_config")
+  if not quant:
+    return None
+  where = f"{path}: quantization_config"
+  if quant.get("quant_method") != "compressed-tensors" or (
+      quant.get("format") not in CT_GROUPS):
+    raise ConvertError(f"{where}: {quant.get('quant_method')!r} format "
+                       f"{quant.get('format')!r} is not read; allowed: "
+                       f"compressed-tensors {list(CT_GROUPS)}")
+  block, ignore = _rotation(quant.get("transform_config") or {}, where)
+  return "compressed-tensors", CT_GROUPS[quant["format"]], block, ignore
+
+
+def _rotation(transform, where):
+  """(Hadamard block, modules it skips) of a transform_config, or (None, ())."""
+  groups = list(transform.get("config_groups", {}).values())
+  if not groups:
+    return None, ()
+  scheme = groups[0]
+  apply = scheme.get("apply", [])
+  if (len(groups) != 1 or scheme.get("type") != "hadamard"
+      or scheme.get("randomize") or len(apply) != 1
+      or apply[0].get("location") != "input" or apply[0].get("inverse")
+      or apply[0].get("targets") != ["Linear"]):
+    raise ConvertError(f"{where}: transform_config is read only as one "
+                       "deterministic 'hadamard' at the input of every "
+                       f"Linear; got {json.dumps(transform)[:200]}")
+  return int(scheme["head_dim"]), tuple(apply[0].get("ignore", ()))
+
+
+class PackedCheckpoint(hf.HfCheckpoint):
+  """A Hugging Face Llama directory with packed FP4 linear layers (module doc).
+
+  `files` maps every dense weight name, packed modules' `.weight` included,
+  to its file; the packed tensors stay in `packed_files`.
+  """
+
+  def __init__(self, directory, cfg):
+    self.layout, self.group, self.rotation, self.rotation_ignore = _layout(
+        directory)
+    super().__init__(directory, cfg)
+
+  @property
+  def files(self):
+    return self._files
+
+  @files.setter
+  def files(self, raw):
+    """Set by HfCheckpoint from the directory's {tensor name: file}."""
+    parts = _PARTS[self.layout]
+    packed = {name.rsplit(".", 1)[0] for name, path in raw.items()
+              if name.endswith("." + parts[0]) and (
+                  self.layout != "modelopt"
+                  or f"{name.rsplit('.', 1)[0]}.{parts[2]}" in raw)}
+    self.packed_files = {name: path for name, path in raw.items()
+                         if name.rsplit(".", 1)[0] in packed}
+    self._files = {name: path for name, path in raw.items()
+                   if name not in self.packed_files}
+    self._files.update({f"{module}.weight": raw[f"{module}.{parts[0]}"]
+                        for module in packed})
+
+  def _open(self, stack):
+    reader = _Reader(self, super()._open(stack))
+    return {path: reader for path in set(self.files.values())}
+
+
+class _Reader:
+  """One reader for all files: a packed module's `.weight` as a float32
+  `_Packed` view, any other tensor from its safetensors file."""
+
+  def __init__(self, ckpt, handles):
+    self.ckpt, self.handles, self.cache = ckpt, handles, {}
+
+  def get_slice(self, name):
+    module = name[:-len(".weight")]
+    if f"{module}.{_PARTS[self.ckpt.layout][1]}" not in self.ckpt.packed_files:
+      return self.handles[self.ckpt.files[name]].get_slice(name)
+    return _Packed(self, module)
+
+  def dense(self, module):
+    """float32 [out, in] of one packed module (the last one is kept)."""
+    if module not in self.cache:
+      self.cache = {module: self._dequantize(module)}
+    return self.cache[module]
+
+  def packed_shape(self, module):
+    """[out, in] of a packed module, from its header."""
+    name = f"{module}.{_PARTS[self.ckpt.layout][0]}"
+    out, half = _header(self.ckpt.packed_files[name], name)["shape"]
+    return [out, 2 * half]
+
+  def _dequantize(self, module):
+    ckpt = self.ckpt
+    packed_name, scale_name, global_name, _ = (
+        f"{module}.{p}" for p in _PARTS[ckpt.layout])
+    packed = self._read(packed_name, np.uint8)
+    codes = np.asarray(formats.unpack_fp4(jnp.asarray(packed), axis=-1),
+                       np.float32)
+    groups = (codes.shape[0], codes.shape[1] // ckpt.group)
+    if ckpt.group == 32:  # MXFP4: E8M0 bits
+      bits = self._read(scale_name, np.uint8, groups)
+      scales = np.ldexp(np.float32(1), bits.astype(np.int32) - 127)
+    else:
+      scales = self._read(scale_name, ml_dtypes.float8_e4m3fn,
+                          groups).astype(np.float32)
+      g = self._read(global_name, np.float32).reshape(())
+      # compressed-tensors divides by its global scale, ModelOpt multiplies.
+      scales = scales / g if ckpt.layout == "compressed-tensors" else (
+          scales * g)
+    w = codes * np.repeat(scales, ckpt.group, axis=1)
+    if ckpt.rotation and module not in ckpt.rotation_ignore:
+      # Stored as W^T H (H symmetric, its own inverse): undo the rotation.
+      w = np.asarray(hadamard.rotate(jnp.asarray(w), ckpt.rotation, -1))
+    return w
+
+  def _read(self, name, dtype, shape=None):
+    """The whole tensor `name` of a packed module (checked dtype and shape)."""
+    path = self.ckpt.packed_files.get(name)
+    if path is None:
+      raise ConvertError(f"{self.ckpt.directory!r}: missing tensor {name!r} "
+                         f"(a packed {self.ckpt.layout} module needs it)")
+    x = _read_tensor(path, name)
+    if x.dtype != dtype or (shape is not None and x.shape != shape):
+      raise ConvertError(f"{path!r}: tensor {name!r} is {x.dtype}"
+                         f"{list(x.shape)}; expected {np.dtype(dtype)}"
+                         f"{list(shape) if shape else ''}")
+    return x
+
+
+class _Packed:
+  """A packed module's weight as HfCheckpoint reads a safetensors slice:
+  float32, dequantized when first indexed."""
+
+  def __init__(self, reader, module):
+    self.reader, self.module = reader, module
+
+  def get_shape(self):
+    return self.reader.packed_shape(self.module)
+
+  def get_dtype(self):
+    return "F32"
+
+  def __getitem__(self, index):
+    return self.reader.dense(self.module)[index]
+
+
+def _header(path, name):
+  """(safetensors header entry of `name`, byte offset of the file's data)."""
+  try:
+    with open(path, "rb") as f:
+      (size,) = struct.unpack("<Q", f.read(8))
+      entry = dict(json.loads(f.read(size))[name])
+  except (OSError, ValueError, KeyError, struct.error) as e:
+    raise ConvertError(f"safetensors file {path!r}: tensor {name!r} cannot be "
+                       f"read: {e}") from e
+  entry["data_start"] = 8 + size
+  return entry
+
+
+def _read_tensor(path, name):
+  """One tensor of a safetensors file as NumPy, float8_e4m3fn included
+  (which safetensors' NumPy reader does not read)."""
+  entry = _header(path, name)
+  start, end = entry["data_offsets"]
+  try:
+    with open(path, "rb") as f:
+      f.seek(entry["data_start"] + start)
+      data = f.read(end - start)
+  except OSError as e:
+    raise ConvertError(f"safetensors file {path!r}: tensor {name!r} cannot be "
+                       f"read: {e}") from e
+  dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+  if dtype is None or len(data) != np.dtype(dtype).itemsize * int(
+      np.prod(entry["shape"])):
+    raise ConvertError(f"safetensors file {path!r}: tensor {name!r} is "
+                       f"{entry['dtype']}{entry['shape']} with {len(data)} "
+                       "bytes; expected U8, F32 or F8_E4M3 data of that shape")
+  return np.frombuffer(data, dtype).reshape(entry["shape"])
