@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -159,8 +160,11 @@ def _mismatch(saved, wanted):
 class Checkpoints:
   """A directory of step-numbered checkpoints, the last `keep` of them kept."""
 
-  def __init__(self, directory, *, keep, async_save=True):
+  def __init__(self, directory, *, keep, async_save=True, data_kind=None):
+    """data_kind: None, or the fp4jax.records kind the `data` item must fit
+    (one that does not is set aside like an unreadable checkpoint)."""
     self.directory = os.path.abspath(directory)
+    self._data_kind = data_kind
     self._nbytes = None  # of the last state saved
     self._pending = False  # an asynchronous save not yet checked
     self._manager = None
@@ -242,8 +246,9 @@ class Checkpoints:
               args=ocp.args.Composite(
                   state=ocp.args.StandardRestore(abstract_state),
                   data=ocp.args.JsonRestore()))
-        records.check(records.CheckpointData, restored["data"],
-                      f"{self.directory}/{step}/data/metadata")
+        if self._data_kind is not None:
+          records.check(self._data_kind, restored["data"],
+                        f"{self.directory}/{step}/data/metadata")
       except Exception as e:  # pylint: disable=broad-except
         # Orbax and tensorstore raise many types for unreadable files.
         self._set_aside(step, _first_cause(e))
@@ -305,7 +310,11 @@ def _step_metadata_problem(step_dir):
     return ""
   try:
     with open(path, encoding="utf-8") as f:
-      _read_step_metadata(json.load(f))
+      value = json.load(f)
+  except (OSError, ValueError):
+    return ""  # not JSON at all: orbax reads it as empty and goes on
+  try:
+    _read_step_metadata(value)
   except Exception as e:  # pylint: disable=broad-except
     return f"{path}: {_first_cause(e)}"
   return ""
@@ -322,6 +331,37 @@ def committed_steps(directory):
   return sorted(int(name) for name in os.listdir(directory)
                 if name.isdigit() and
                 os.path.isdir(os.path.join(directory, name, "state")))
+
+
+class CheckpointUnreadable(errors.UserError):
+  """No checkpoint asked for (or older) can be read."""
+
+
+def restore_params_newest(directory, step, abstract_params, *, fall_back=True):
+  """(step, params) of checkpoint `step` under `directory` (restore_params),
+  or, when it cannot be read and `fall_back`, of the newest older one that
+  can, saying on stderr which was damaged. CheckpointUnreadable, one line
+  naming the step and why, when none can."""
+  steps = [s for s in committed_steps(directory) if s <= step] if fall_back else [step]
+  damaged = []
+  for candidate in reversed(steps or [step]):
+    try:
+      with _failed_reads_stopped():
+        params = restore_params(directory, candidate, abstract_params)
+    except Exception as e:  # pylint: disable=broad-except
+      damaged.append(f"step {candidate} ({_first_cause(e)})")
+      continue
+    if damaged:
+      print(f"fp4jax: the checkpoint at {damaged[0]} in {directory} cannot be "
+            f"read; using step {candidate}, the newest readable one",
+            file=sys.stderr, flush=True)
+    return candidate, params
+  others = [s for s in committed_steps(directory) if s != step]
+  raise CheckpointUnreadable(
+      f"the checkpoint at {damaged[0]} in {directory} cannot be read" + (
+          f"; its other checkpoints: {others}" if not fall_back else
+          f", nor any of the {len(damaged) - 1} before it" if len(damaged) > 1 else
+          ", and there is none before it"))
 
 
 def restore_params(directory, step, abstract_params):

@@ -10,6 +10,7 @@ import builtins
 import errno
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -606,3 +607,28 @@ def test_a_checkpoint_with_unusable_metadata_is_set_aside(trained, tmp_path, cap
   assert summary["resumed_from_step"] == 4 and summary["step"] == 8
   assert os.listdir(workdir / "checkpoints_corrupt") == ["8"]
   assert f"8/{name}" in caplog.text and "falling back" in caplog.text
+
+
+def test_a_truncated_newest_checkpoint_is_named_and_the_one_before_used(
+    trained, tmp_path, capfd):
+  """Array data of step 8 cut in half: export and init_from name step 8 and
+  use step 4 (saying so); export --step 8 is one line naming it."""
+  run = tmp_path / "run"
+  shutil.copytree(trained, run)
+  arrays = run / "checkpoints" / "8" / "state" / "ocdbt.process_0" / "d"
+  for name in os.listdir(arrays):
+    with open(arrays / name, "r+b") as f:
+      f.truncate(os.path.getsize(arrays / name) // 2)
+  lines = export.export(str(run), str(tmp_path / "hf"))
+  assert f"step 4 of {run}" in lines[0], lines
+  err = capfd.readouterr().err
+  assert re.search(r"the checkpoint at step 8 \(.*\) in .* cannot be read; using step 4, "
+                   "the newest readable one", err), err
+  assert "Traceback" not in err
+  with pytest.raises(errors.UserError, match=r"^the checkpoint at step 8 \(.*\) in .* cannot "
+                     r"be read; its other checkpoints: \[4\]$"):
+    export.export(str(run), str(tmp_path / "hf8"), step=8)
+  summary = trainer.train(tiny_config(**STEPS, steps=1, init_from=str(run)),
+                          str(tmp_path / "from_run"))
+  assert summary["status"] == "completed"
+  assert "cannot be read; using step 4" in capfd.readouterr().err

@@ -279,12 +279,13 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
     raise ConvertError(f"--layout {layout!r} needs --quantize (nvfp4 or "
                        "mxfp4); a dense export has one layout")
   config, cfg = run_config(run_dir)
-  step = run_step(run_dir, step)
+  # A damaged newest checkpoint: the newest readable one (unless --step).
+  step, params = checkpointing.restore_params_newest(
+      os.path.join(run_dir, "checkpoints"), run_step(run_dir, step),
+      abstract_params(cfg), fall_back=step is None)
   packed = None if quantize is None else export_fp4.PackedExport(
       config, cfg, step, quantize, layout or "compressed-tensors", fused_scale,
       activations)
-  params = checkpointing.restore_params(
-      os.path.join(run_dir, "checkpoints"), step, abstract_params(cfg))
   calibrated = None
   if packed is not None and packed.calibrates:
     calibrated = calibration_batches or int(config.get("eval_batches", 1))

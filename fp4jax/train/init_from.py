@@ -30,7 +30,7 @@ class _RunCheckpoint:
   """The parameters of one checkpoint of an fp4jax run."""
 
   def __init__(self, path, cfg):
-    run_dir, step = path, None
+    run_dir, step = path, None  # step: the checkpoints/<step> given, if one
     parent = os.path.dirname(os.path.normpath(path))
     if (os.path.basename(os.path.normpath(path)).isdigit()
         and os.path.basename(parent) == "checkpoints"):
@@ -47,10 +47,16 @@ class _RunCheckpoint:
           f"--config.model.scan_layers={theirs.scan_layers}")
     self.directory = os.path.join(run_dir, "checkpoints")
     self.step = export.run_step(run_dir, step)
+    self._fall_back = step is None
 
   def load(self, abstract_params):
-    return checkpointing.restore_params(self.directory, self.step,
-                                        abstract_params)
+    """The parameters of its step (when a run directory was given and that
+    newest checkpoint is damaged, of the newest readable one, said)."""
+    try:
+      return checkpointing.restore_params_newest(
+          self.directory, self.step, abstract_params, fall_back=self._fall_back)[1]
+    except checkpointing.CheckpointUnreadable as e:
+      raise ConfigError(f"bad config: config.init_from: {e}") from None
 
 
 def open_source(path, cfg):

@@ -46,6 +46,7 @@ from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
 from fp4jax import checkpointing
 from fp4jax import errors
+from fp4jax import records
 from fp4jax import schedule
 from fp4jax import sharding
 from fp4jax.data import identity
@@ -440,7 +441,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   abstract = segment_programs[0].abstract
   ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
                       keep=config.keep_checkpoints,
-                      async_save=config.async_checkpointing)
+                      async_save=config.async_checkpointing,
+                      data_kind=records.CheckpointData)
   state, controller, tokens_at_start = _first_state(
       config, model_cfg, segment_programs[0], ckpts, batches, init_source,
       workdir, override_resume)
