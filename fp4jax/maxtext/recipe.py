@@ -23,11 +23,13 @@ def recipe_for(name, dtype):
 
   ValueError (one line) for an unknown name or a recipe that needs keys.
   """
+  usable = [n for n in recipes.recipe_names() if _takes(recipes.recipe(n))]
+  if name not in recipes.recipe_names():
+    raise ValueError(f"unknown recipe {name!r}; recipes MaxText can run: {', '.join(usable)}")
   recipe = recipes.recipe(name)
   if not _takes(recipe):
     what = ("stochastic rounding or per-step signs" if recipe.is_random
             else "per-layer Hadamard signs")
-    usable = [n for n in recipes.recipe_names() if _takes(recipes.recipe(n))]
     raise ValueError(f"recipe {name!r} uses {what}, whose keys MaxText's step does not "
                      f"pass to the layers; deterministic recipes: {', '.join(usable)}")
   return dataclasses.replace(recipe, compute_dtype=dtype)
