@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fp4jax.numerics import scales as scales_lib
-from fp4jax.kernels.quantize import interpret_mode
+from fp4jax.kernels import target
 from fp4jax.numerics.elements import e2m1_values
 
 BLOCK = 32  # MXFP4 elements per E8M0 scale
@@ -72,14 +72,14 @@ def matmul_packed(a_codes, a_scales, b_codes, b_scales, *, out_dtype=jnp.float32
   biased = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
   rows = lambda t, width: pl.BlockSpec((t, width), lambda i, j: (i, 0))
   cols = lambda t, width: pl.BlockSpec((t, width), lambda i, j: (j, 0))
-  return pl.pallas_call(
+  return target.pallas_call(
       functools.partial(_kernel, k=k, tile_k=tk),
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
       grid=(pl.cdiv(m, tm), pl.cdiv(n, tn)),
       in_specs=[rows(tm, half_k), rows(tm, k // BLOCK),
                 cols(tn, half_k), cols(tn, k // BLOCK)],
       out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-      interpret=interpret_mode(interpret),
+      interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
       name="fp4jax_matmul_packed",
   )(a_codes, biased(a_scales), b_codes, biased(b_scales))

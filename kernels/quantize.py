@@ -23,7 +23,8 @@ axis, so no transposed copy is ever made. Tiles are powers of two (as Triton
 needs); the tail of N is masked to zero inside the kernel, which is what the
 reference's zero padding does.
 
-interpret=None runs compiled on a GPU (Triton) and interpreted elsewhere.
+interpret=None runs compiled (Triton) where the program is lowered for a GPU
+and interpreted elsewhere (fp4jax.kernels.target); True / False force one.
 """
 
 import functools
@@ -35,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fp4jax.kernels import target
 from fp4jax.numerics import elements
 from fp4jax.numerics import formats
 from fp4jax.numerics import hadamard
@@ -42,11 +44,6 @@ from fp4jax.numerics import scales as scales_lib
 
 ROW_TILE = (16, 512)  # [rows, blocked elements] for blocks along the last axis
 COL_TILE = (64, 128)  # [blocked elements, columns] for blocks along a leading axis
-
-
-def interpret_mode(interpret):
-  """interpret=None: interpret off GPUs, compile (Triton) on them."""
-  return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
 def _pow2_at_least(n):
@@ -192,9 +189,9 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
   kernel = functools.partial(
       _kernel, spec=spec, n=n, tile_n=tn, blk_axis=1 if row else 0,
       hadamard_block=hadamard_block, has_bits=random_bits is not None, packed=packed)
-  return pl.pallas_call(
+  return target.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
-      out_specs=out_specs, interpret=interpret_mode(interpret),
+      out_specs=out_specs, interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       name="fp4jax_quantize" if packed else "fp4jax_fake_quantize",
   )(*operands)

@@ -1,7 +1,8 @@
 """fp4jax.kernels.quantize against the XLA reference, bit for bit.
 
 On the CPU the kernels run interpreted (interpret=None); on a GPU the same
-tests run them compiled. Small tiles make every grid multi-tile with partial
+tests run them compiled (interpret=None follows the lowering target:
+fp4jax.kernels.target). Small tiles make every grid multi-tile with partial
 tiles along both axes; N = 80 needs padding to the 32-element block.
 """
 
@@ -224,8 +225,29 @@ def test_rejects_what_the_reference_rejects():
     gemm.matmul_packed(codes, scales, codes[:, :8], scales)
 
 
-def test_interpret_defaults_to_the_backend():
-  assert kq.interpret_mode(None) == (jax.default_backend() != "gpu")
+def _lowered_for(platform, fn, *args):
+  if platform == "cuda":
+    return lower_for_cuda(fn, *args)
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform,compiled", [("cuda", True), ("cpu", False)])
+def test_interpret_follows_the_lowering_target(platform, compiled):
+  """interpret=None: a Triton call when lowered for a GPU, whatever the default
+  device; interpreted (no custom call) when lowered for the CPU."""
+  x = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+  fn = lambda x: kq.fake_quantize(x, formats.QuantSpec("mxfp4"), -1, hadamard_block=16)
+  text = _lowered_for(platform, fn, x)
+  assert ("xla.gpu.triton" in text) == compiled
+  assert ("stablehlo.custom_call" in text) == compiled
+
+
+def test_interpret_none_runs_as_interpret_true_here():
+  spec = formats.QuantSpec("mxfp4")
+  default, interpreted = (kq.quantize_packed(_data(), spec, -1, hadamard_block=16, interpret=i)
+                          for i in (None, True))
+  for a, b in zip(default, interpreted):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
