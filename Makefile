@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test
 WORKDIR ?= runs/demo
 
-.PHONY: train test test-fast test-maxtext install clean
+.PHONY: train test test-fast test-maxtext test-gpu-compile install clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ test-fast: install
 test-maxtext:
 	$(MAKE) install PYTHON=$(PYTHON) EXTRAS=test,maxtext
 	$(PY) -m pytest -q -n 2 tests/test_maxtext.py
+
+# fp4jax's GPU paths through XLA's real GPU compiler for H200 and B200, without a GPU
+# (Python >= 3.12): its own environment, with jax's CUDA plugin (the gpu-compile extra, ~4.4 GB).
+GPU_COMPILE_VENV ?= .venv-gpu-compile
+
+test-gpu-compile:
+	$(MAKE) install PYTHON=$(PYTHON) VENV=$(GPU_COMPILE_VENV) EXTRAS=test,gpu-compile
+	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load tests/test_gpu_compile.py
 
 clean:
 	rm -rf .venv .venv-* runs

@@ -4,6 +4,12 @@
 # Stages, in order, each under `timeout` (its own box, capped by what is left
 # of GPU_CHECK_BUDGET_S, default 500 s); a stage that fails or runs out of
 # time does not stop the others:
+#   compile     python -m fp4jax.bench gpu_compile --target device --what linear,kernels:
+#               the linear layer of every recipe and backend and every Pallas kernel,
+#               compiled on this GPU as the deviceless report compiled them for the
+#               same card (results/gpu_compile/h200.json), and the differences
+#               between the two (GEMM kinds, operand types, SASS instructions): does
+#               compiling without the device predict it? Runs first
 #   env         nvidia-smi, python, jax/jaxlib, devices, compute capability,
 #               which of pyproject.toml's dependencies are missing
 #   native      backend=native, (16384,4096,14336): mxfp8 / mxfp4 / nvfp4, each on
@@ -43,7 +49,8 @@
 # ml_collections and tensorboardX. benchmarks/gpu_wheels.sh downloads them
 # into .whl/ (git-ignored, about 9 MB, cp312 and cp313):
 #   array_record 0.8.6 (3.8 MB per python), grain 0.2.18 (0.6 MB per python),
-#   ml_collections 1.1.0 (77 kB), tensorboardx 2.6.5 (88 kB), portpicker 1.6.0 (17 kB)
+#   ml_collections 1.1.0 (77 kB), tensorboardx 2.6.5 (88 kB), portpicker 1.6.0 (17 kB),
+#   nvidia-cuda-nvdisasm 13.5.37 (5 MB: the compile stage reads the kernels' SASS)
 # Here they are installed with pip --no-index (never the network), only the
 # ones whose distribution is not installed already, matching this python.
 #
@@ -62,7 +69,7 @@ fi
 OUT=${OUT:-/tmp/fp4jax_gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/fp4jax_gpu_check_work}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-500}
-STAGES=${GPU_CHECK_STAGES:-"env native tests crosscheck quantize linear train"}
+STAGES=${GPU_CHECK_STAGES:-"compile env native tests crosscheck quantize linear train"}
 TRAIN_STEPS=${TRAIN_STEPS:-20}
 TRAIN_FLAGS=${TRAIN_FLAGS:-}  # e.g. --scan_layers, should compiling 12 blocks not fit its box
 REPO=$(pwd)
@@ -124,7 +131,7 @@ fi
 # The package as pip lays it out (kernels/ -> fp4jax/kernels), outside the checkout.
 SRC=/tmp/fp4jax_src
 rm -rf "$SRC" && mkdir -p "$SRC"
-cp -r "$REPO/fp4jax" "$REPO/tests" "$REPO/configs" "$REPO/pyproject.toml" "$SRC/"
+cp -r "$REPO/fp4jax" "$REPO/tests" "$REPO/configs" "$REPO/results" "$REPO/pyproject.toml" "$SRC/"
 rm -rf "$SRC/fp4jax/kernels" && cp -r "$REPO/kernels" "$SRC/fp4jax/kernels"
 cd "$SRC" || exit 1
 export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
@@ -178,10 +185,15 @@ for s in $STAGES; do
       rm -rf /tmp/fp4jax_ablation_short
       stage ablation_short 480 $PY -m fp4jax.experiments.ablation --config=configs/ablation_gpu_short.py \
         --workdir=/tmp/fp4jax_ablation_short --results="$OUT/ablation_gpu_short" ${short[@]+"${short[@]}"} ;;
+    compile)
+      # The dry run has no GPU: it compiles for the H200 description (needs the CUDA plugin).
+      if [[ $DRY_RUN == 1 ]]; then target=h200; else target=device; fi
+      stage compile 150 $PY -m fp4jax.bench gpu_compile --target "$target" --what linear,kernels \
+        --against "$SRC/results/gpu_compile/h200.json" --out "$WORK/compile.json" ;;
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
       stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
-    *) echo "unknown stage $s (allowed: env native tests crosscheck quantize linear train ablation_short)" ;;
+    *) echo "unknown stage $s (allowed: compile env native tests crosscheck quantize linear train ablation_short)" ;;
   esac
 done
 

@@ -7,7 +7,7 @@
 set -euo pipefail
 PIP=${PIP:-python3 -m pip}
 WHEELS=(grain==0.2.18 array_record==0.8.6 portpicker==1.6.0 ml_collections==1.1.0
-        tensorboardX==2.6.5)
+        tensorboardX==2.6.5 nvidia-cuda-nvdisasm==13.5.37)
 PLATFORMS=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   PLATFORMS+=(--platform "${p}_x86_64")

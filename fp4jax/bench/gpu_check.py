@@ -87,6 +87,15 @@ def native_unsupported():
 
 
 
+def pallas_interprets():
+  """Whether a Pallas kernel, lowered for this process's default device, is interpreted
+  (no Triton call in the lowered program)."""
+  from fp4jax.numerics import formats  # pylint: disable=g-import-not-at-top
+  x = jax.ShapeDtypeStruct((16, 64), jax.numpy.float32)
+  text = jax.jit(lambda x: kq.fake_quantize(x, formats.QuantSpec("mxfp4"))).lower(x).as_text()
+  return "xla.gpu.triton" not in text
+
+
 def env_stage(tiny, work):
   del tiny, work
   dev = jax.devices()[0]
@@ -100,7 +109,7 @@ def env_stage(tiny, work):
                     compute_capability=getattr(d, "compute_capability", None))
                for d in jax.devices()],
       memory_limit_gib=stats.get("bytes_limit", 0) / 2**30 or None,
-      pallas_interprets=kq.interpret_mode(None),
+      pallas_interprets=pallas_interprets(),
       native_unsupported=native_unsupported(),
       xla_flags=os.environ.get("XLA_FLAGS", ""), packages={**deps, **others},
       missing=[name for name, v in deps.items() if v is None])

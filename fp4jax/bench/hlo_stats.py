@@ -69,8 +69,76 @@ def kernel_counts(hlo_text):
 _CUDNN_BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
 _PLAIN_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
 _SHAPED = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
-_DOT = re.compile(r"\s(dot|scaled-dot)\(%?([\w.\-]+)")
+_DOT = re.compile(r"\s(dot|scaled-dot)\(%?([\w.\-]+)(?:, %?([\w.\-]+))?")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_BACKEND_KIND = re.compile(r'fusion_backend_config":\{"kind":"(\w+)"')
+_HLO_KIND = re.compile(r"kind=(k\w+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def gemms(hlo_text):
+  """Every GEMM of an optimized HLO module, fused ones included, in text order.
+
+  A list of dicts: op ("dot", "scaled-dot" or "custom-call"), target (a custom
+  call's), operands (the element types of its first two operands, as the GEMM
+  reads them), shape (its output's dims), k (the contraction length), kernel
+  (the instruction that launches it: the outermost fusion around it, or the
+  custom call itself; None for a dot outside any fusion) and kernel_kind (that
+  fusion's backend kind, e.g. "__triton_nested_gemm_fusion", or its HLO kind).
+  """
+  shapes, caller, rows = {}, {}, []
+  current = None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+    m = _SHAPED.match(line)
+    if m:
+      shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
+      called = _CALLS.search(line)
+      if called and " fusion(" in line:
+        kind = _BACKEND_KIND.search(line) or _HLO_KIND.search(line)
+        caller[called.group(1)] = (m.group(1), current, kind and kind.group(1))
+    if not m or current is None:
+      continue
+    if "custom-call(" in line:
+      target = _TARGET.search(line)
+      target = target.group(1) if target else ""
+      if target in _CUDNN_BLOCK_SCALED or target.startswith(_PLAIN_GEMM_CALLS):
+        args = re.search(r"custom-call\(%?([\w.\-]+), %?([\w.\-]+)", line)
+        rows.append(dict(op="custom-call", target=target, operands=[
+            shapes.get(a, ("?",))[0] for a in (args.groups() if args else ())],
+            shape=shapes[m.group(1)][1], k=None, kernel=m.group(1), kernel_kind=target,
+            computation=current))
+      continue
+    dot = _DOT.search(line)
+    if not dot:
+      continue
+    lhs = shapes.get(dot.group(2), ("?", []))
+    dims = _LHS_CONTRACTING.search(line)
+    k = 1 if lhs[1] else None
+    for d in (dims.group(1).split(",") if dims and dims.group(1) and k else []):
+      k *= lhs[1][int(d)] if int(d) < len(lhs[1]) else 1
+    rows.append(dict(op=dot.group(1), target=None, operands=[
+        shapes.get(a, ("?",))[0] for a in dot.groups()[1:] if a],
+        shape=shapes[m.group(1)][1], k=k, kernel=None, kernel_kind=None, computation=current))
+  for row in rows:  # the outermost fusion around each fused GEMM
+    comp = row.pop("computation")
+    while comp in caller:
+      row["kernel"], comp, row["kernel_kind"] = caller[comp]
+  return rows
+
+
+def gemm_kind(gemm, rotation_max=32):
+  """One GEMM of `gemms` as a gemm_kinds kind."""
+  if gemm["op"] == "custom-call":
+    return "block-scaled (cuDNN)" if gemm["target"] in _CUDNN_BLOCK_SCALED else "cuBLAS"
+  if gemm["op"] == "scaled-dot":
+    return "block-scaled (scaled-dot)"
+  if gemm["k"] is not None and gemm["k"] <= rotation_max:
+    return "rotation"
+  return f"dot {gemm['operands'][0]}"
 
 
 def gemm_kinds(hlo_text, rotation_max=32):
@@ -83,32 +151,7 @@ def gemm_kinds(hlo_text, rotation_max=32):
   longer than rotation_max; "rotation": a dot contracting rotation_max or fewer
   elements (a Hadamard block). Every instruction line counts once, wherever it sits.
   """
-  shapes = {}
-  for line in hlo_text.splitlines():
-    m = _SHAPED.match(line)
-    if m:
-      shapes[m.group(1)] = (m.group(2), [int(d) for d in m.group(3).split(",") if d])
-  counts = collections.Counter()
-  for line in hlo_text.splitlines():
-    if "custom-call(" in line:
-      if any(f'"{t}"' in line for t in _CUDNN_BLOCK_SCALED):
-        counts["block-scaled (cuDNN)"] += 1
-      elif any(f'"{t}' in line for t in _PLAIN_GEMM_CALLS):
-        counts["cuBLAS"] += 1
-      continue
-    dot = _DOT.search(line)
-    if not dot:
-      continue
-    if dot.group(1) == "scaled-dot":
-      counts["block-scaled (scaled-dot)"] += 1
-      continue
-    dtype, shape = shapes.get(dot.group(2), ("?", []))
-    dims = _LHS_CONTRACTING.search(line)
-    k = 1
-    for d in (dims.group(1).split(",") if dims and dims.group(1) else []):
-      k *= shape[int(d)] if int(d) < len(shape) else 1
-    counts["rotation" if shape and k <= rotation_max else f"dot {dtype}"] += 1
-  return counts
+  return collections.Counter(gemm_kind(g, rotation_max) for g in gemms(hlo_text))
 
 
 def gemm_summary(counts):

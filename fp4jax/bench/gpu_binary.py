@@ -1,0 +1,137 @@
+"""The tensor-core instructions of a compiled GPU program, read from its own binary.
+
+XLA compiles a GPU program to one cubin per kernel; jax's serialized
+executable (jax.experimental.serialize_executable) carries them inside a
+Riegeli record file (64 KiB blocks, each opened by a 24-byte header) whose
+records hold a Snappy-compressed GpuExecutableProto. `cubins`
+unpacks that, disassembles each kernel's cubin with CUDA's nvdisasm (the
+nvidia-cuda-nvdisasm wheel) and counts, per kernel, the SASS matrix instructions: on Blackwell (sm_100) the tcgen05
+family (UTCHMMA: 16-bit inputs; UTCQMMA: FP8/FP6/FP4 inputs in the f8f6f4
+kind, FP8 rate; UTCOMMA: FP4-only block-scaled MMA, twice that rate), on
+Hopper HGMMA / QGMMA (wgmma with 16-bit / FP8 inputs), elsewhere HMMA.
+Library kernels (cuBLAS, cuDNN) are not in the program and are not seen.
+"""
+
+import collections
+import glob
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+from jax.experimental import serialize_executable
+
+_RIEGELI = b"\x83\xaf\x70\xd1\x0d\x88\x4a\x3f"
+_BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
+_ELF = b"\x7fELF"
+MMA = re.compile(r"\b(UTC[A-Z]*MMA|[A-Z]GMMA|[A-Z]MMA)\b")
+
+
+def _varint(data, i):
+  value = shift = 0
+  while True:
+    byte = data[i]
+    i += 1
+    value |= (byte & 127) << shift
+    shift += 7
+    if byte < 128:
+      return value, i
+
+
+def _riegeli_records(data):
+  """The records of the Riegeli file starting at data[0], nested files flattened.
+
+  Takes simple uncompressed chunks (chunk type 'r', compression 0), which is
+  what jax writes."""
+  body = b"".join(data[p + _BLOCK_HEADER:p + _BLOCK] for p in range(0, len(data), _BLOCK))
+  records, p = [], _CHUNK_HEADER  # after the file signature's chunk header
+  while p + _CHUNK_HEADER <= len(body) and body[p + 24:p + 25] == b"r":
+    size = struct.unpack_from("<Q", body, p + 8)[0]
+    chunk = body[p + _CHUNK_HEADER:p + _CHUNK_HEADER + size]
+    sizes_length, i = _varint(chunk, 1)
+    record = chunk[i + sizes_length:]
+    records += _riegeli_records(record) if record.startswith(_RIEGELI) else [record]
+    p += _CHUNK_HEADER + size
+  return records
+
+
+def _snappy(data, i):
+  """The raw Snappy stream at data[i:], decoded, or None where it is not one."""
+  n, i = _varint(data, i)
+  out = bytearray()
+  while len(out) < n and i < len(data):
+    tag = data[i]
+    i += 1
+    if tag & 3 == 0:  # a literal of length + 1 bytes; 60-63: the length follows in 1-4 bytes
+      length = tag >> 2
+      if length >= 60:
+        width = length - 59
+        length = int.from_bytes(data[i:i + width], "little")
+        i += width
+      out += data[i:i + length + 1]
+      i += length + 1
+      continue
+    if tag & 3 == 1:
+      length, offset = ((tag >> 2) & 7) + 4, ((tag >> 5) << 8) | data[i]
+      i += 1
+    else:
+      width = 2 if tag & 3 == 2 else 4
+      length, offset = (tag >> 2) + 1, int.from_bytes(data[i:i + width], "little")
+      i += width
+    if not 0 < offset <= len(out):
+      return None
+    while length > 0:  # a copy may overlap its own output: at most `offset` bytes at a time
+      piece = out[len(out) - offset:len(out) - offset + min(length, offset)]
+      out += piece
+      length -= len(piece)
+  return bytes(out) if len(out) == n else None
+
+
+def cubins(compiled):
+  """The cubins (ELF images) of a compiled GPU program; [] if none are found."""
+  blob = serialize_executable.serialize(compiled)[0]
+  start = blob.find(_RIEGELI)
+  images = []
+  for record in _riegeli_records(blob[start:]) if start >= 0 else []:
+    for i in range(min(len(record), 64)):  # the stream follows the record's field header
+      try:
+        proto = _snappy(record, i)
+      except IndexError:
+        continue
+      if proto and _ELF in proto:
+        starts = [m.start() for m in re.finditer(re.escape(_ELF), proto)]
+        images += [proto[a:b] for a, b in zip(starts, starts[1:] + [len(proto)])]
+        break
+  return images
+
+
+def kernel_name(image):
+  """The kernel a cubin holds: its `.text.NAME` section that is not a CUDA helper."""
+  names = [m.group(1).decode() for m in re.finditer(rb"\.text\.([\w.$]+)", image)]
+  names = [n for n in names if not n.startswith("__cuda_")]
+  return names[0] if names else None
+
+
+def _nvdisasm():
+  """The nvdisasm of the nvidia-cuda-nvdisasm wheel (any sys.path entry), or on PATH."""
+  for entry in sys.path:
+    found = sorted(glob.glob(os.path.join(entry, "nvidia", "*", "bin", "nvdisasm")))
+    if found:
+      return found[-1]
+  found = shutil.which("nvdisasm")
+  if found is None:
+    raise FileNotFoundError("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+  return found
+
+
+def sass_mma(image):
+  """Counter of the SASS matrix mnemonics in one cubin (nvdisasm, about 1 s)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+      f.write(image)
+    sass = subprocess.run([_nvdisasm(), path], capture_output=True, text=True, check=True).stdout
+  return collections.Counter(MMA.findall(sass))

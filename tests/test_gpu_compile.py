@@ -1,0 +1,201 @@
+"""fp4jax's GPU paths through XLA's real GPU compiler, for H200 and B200, without a GPU.
+
+The tests that compile need jax's CUDA plugin (the `gpu-compile` extra; `make
+test-gpu-compile PYTHON=python3.12`) and skip without it. They assert on what
+the compiler made of each program (fp4jax.bench.gpu_compile): the optimized
+HLO's GEMMs and, read from the compiled binary, the tensor-core instructions
+of their kernels. What MXFP8 and NVFP4 on the native backend become is
+asserted as found, so a change in XLA shows up here.
+"""
+
+import collections
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from fp4jax.bench import gpu_binary, gpu_compile, hlo_stats
+
+PLUGIN = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
+needs_plugin = pytest.mark.skipif(
+    not PLUGIN, reason='needs the CUDA plugin: pip install -e ".[gpu-compile]" (Python >= 3.12)')
+BLOCK_SCALED_TCGEN05 = {"UTCOMMA", "UTCQMMA"}  # Blackwell's MMAs that read FP4/FP8 elements
+
+
+@pytest.fixture(scope="module", params=gpu_compile.TARGETS)
+def mesh(request):
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  devices = gpu_compile.target_devices(request.param)
+  return request.param, jax.sharding.Mesh(np.asarray(devices), ("d",))
+
+
+_CACHE = {}
+
+
+def linear(mesh, recipe, backend, route=None):
+  """The compiled `linear` Row of one arm (compiled once per module run)."""
+  target, m = mesh
+  key = (target, recipe, backend, route)
+  if key not in _CACHE:
+    (_CACHE[key],) = gpu_compile.linear_rows(m, sass=True, arms=((recipe, backend, route),))
+  return _CACHE[key]
+
+
+def roles(row):
+  """{role: [gemm]} of a linear Row."""
+  out = collections.defaultdict(list)
+  for g in row.gemms:
+    if g.get("role"):
+      out[g["role"]].append(g)
+  return out
+
+
+def assert_block_scaled_fp4(row, target):
+  """Every role is one block-scaled GEMM reading FP4 elements and E8M0 scales; its
+  kernel runs a block-scaled tcgen05 MMA on Blackwell and Hopper's 16-bit wgmma on
+  the H200; no other GEMM than rotations."""
+  assert row.compiled, row.error
+  by_role = roles(row)
+  assert sorted(by_role) == ["dgrad", "fprop", "wgrad"], row.gemms
+  for role, gemms in by_role.items():
+    (g,) = gemms
+    assert g["kind"] == "block-scaled (scaled-dot)", (role, g)
+    assert g["operands"] == ["f4e2m1fn", "f4e2m1fn"], (role, g)
+    assert g["kernel_kind"] == "__triton_nested_gemm_fusion", (role, g)
+    if target == "b200":
+      assert set(g["mma"]) <= BLOCK_SCALED_TCGEN05 and g["mma"], (role, g)
+    else:  # Hopper has no FP4 units: the kernel widens the elements for a 16-bit wgmma
+      assert set(g["mma"]) == {"HGMMA"}, (role, g)
+  assert all(g["kind"] == "rotation" for g in row.gemms if not g.get("role"))
+
+
+@needs_plugin
+def test_targets_are_the_datasheet_devices(mesh):
+  target, m = mesh
+  (device,) = m.devices.flat
+  want = {"h200": ("NVIDIA H200", "9.0"), "b200": ("NVIDIA B200", "10.0")}[target]
+  assert (device.device_kind, str(device.compute_capability)) == want
+
+
+@needs_plugin
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4-dh16"])
+def test_mxfp4_on_native_is_a_block_scaled_gemm_with_fp4_operands(mesh, recipe):
+  assert_block_scaled_fp4(linear(mesh, recipe, "native"), mesh[0])
+
+
+@needs_plugin
+def test_the_check_fails_on_mxfp4_routed_through_scaled_matmul(mesh):
+  """The planted bug: MXFP4 through jax.nn.scaled_matmul is dequantize + a float32 dot."""
+  row = linear(mesh, "mxfp4", "native", "scaled_matmul")
+  with pytest.raises(AssertionError):
+    assert_block_scaled_fp4(row, mesh[0])
+  assert {g["kind"] for g in roles(row)["fprop"]} == {"dot f32"}
+
+
+@needs_plugin
+def test_mxfp8_and_nvfp4_on_native_become_what_was_found(mesh):
+  """As found with jax 0.12.0.1: without a device XLA hands no block-scaled GEMM to
+  cuDNN; jax.nn.scaled_matmul's MXFP8 becomes dequantize + float32 dots in loop
+  fusions (no tensor-core instruction on B200); NVFP4's Fprop and Dgrad run on
+  xla (the weight's 16x16 tiles) as bf16 GEMMs, its Wgrad like MXFP8's."""
+  target = mesh[0]
+  mxfp8 = roles(linear(mesh, "mxfp8", "native"))
+  for gemms in mxfp8.values():
+    assert [(g["kind"], g["kernel_kind"]) for g in gemms] == [("dot f32", "kLoop")]
+    if target == "b200":
+      assert not gemms[0]["mma"]
+  nvfp4 = roles(linear(mesh, "nvfp4", "native"))
+  assert [g["kind"] for g in nvfp4["fprop"] + nvfp4["dgrad"]] == ["dot bf16", "dot bf16"]
+  assert [(g["kind"], g["kernel_kind"]) for g in nvfp4["wgrad"]] == [("dot f32", "kLoop")]
+
+
+@needs_plugin
+def test_the_xla_backend_emulates_with_bf16_gemms(mesh):
+  for g in linear(mesh, "mxfp4", "xla").gemms:
+    assert g["kind"] == "dot bf16" and g["operands"] == ["bf16", "bf16"], g
+
+
+@needs_plugin
+def test_the_pallas_recipe_holds_compiled_kernels(mesh):
+  """interpret=None follows the lowering target: compiled for the GPU, the pallas
+  backend's quantizers are Triton calls (interpreted, there would be none)."""
+  row = linear(mesh, "mxfp4-dh16", "pallas")
+  assert row.compiled and row.triton_calls >= 3, row
+
+
+@needs_plugin
+def test_every_pallas_kernel_compiles_to_triton(mesh):
+  target, m = mesh
+  rows = gpu_compile.kernel_rows(m, sass=False)
+  assert len(rows) == 17
+  for row in rows:
+    assert row.compiled, (row.recipe, row.error)
+    assert row.triton_calls == 1, row.recipe
+
+
+@needs_plugin
+def test_the_tiny_train_step_compiles(mesh):
+  target, m = mesh
+  (row,) = gpu_compile.step_rows("step-tiny", list(m.devices.flat), sass=False,
+                                 arms=(("mxfp4-dh16", "native", None),))
+  assert row.compiled, row.error
+  assert row.memory_mib > 0
+  kinds = collections.Counter(g["kind"] for g in row.gemms)
+  # 4 blocks x 7 linears x 3 GEMMs; attention and the head stay unquantized.
+  assert kinds["block-scaled (scaled-dot)"] == 84, kinds
+
+
+def test_gemms_name_the_kernel_and_operand_types():
+  hlo = """
+%fused_gemm (p0: f4e2m1fn[8,64], p1: f4e2m1fn[16,64], p2: f8e8m0fnu[8,2], p3: f8e8m0fnu[16,2]) -> f32[8,16] {
+  %p0 = f4e2m1fn[8,64]{1,0} parameter(0)
+  %p1 = f4e2m1fn[16,64]{1,0} parameter(1)
+  %p2 = f8e8m0fnu[8,2]{1,0} parameter(2)
+  %p3 = f8e8m0fnu[16,2]{1,0} parameter(3)
+  ROOT %sd = f32[8,16]{1,0} scaled-dot(%p0, %p1, %p2, %p3), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+%loop (q0: f32[8,64], q1: f32[64,16]) -> f32[8,16] {
+  %q0 = f32[8,64]{1,0} parameter(0)
+  %q1 = f32[64,16]{1,0} parameter(1)
+  ROOT %d = f32[8,16]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f4e2m1fn[8,64], b: f4e2m1fn[16,64], c: f8e8m0fnu[8,2], e: f8e8m0fnu[16,2], x: f32[8,64], y: f32[64,16]) -> f32[8,16] {
+  %a = f4e2m1fn[8,64]{1,0} parameter(0)
+  %b = f4e2m1fn[16,64]{1,0} parameter(1)
+  %c = f8e8m0fnu[8,2]{1,0} parameter(2)
+  %e = f8e8m0fnu[16,2]{1,0} parameter(3)
+  %x = f32[8,64]{1,0} parameter(4)
+  %y = f32[64,16]{1,0} parameter(5)
+  %fusion.1 = f32[8,16]{1,0} fusion(%a, %b, %c, %e), kind=kCustom, calls=%fused_gemm, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %wrapped = f32[8,16]{1,0} fusion(%x, %y), kind=kLoop, calls=%loop
+  ROOT %add = f32[8,16]{1,0} add(%fusion.1, %wrapped)
+}
+"""
+  got = [(g["op"], g["operands"], g["shape"], g["k"], g["kernel"], g["kernel_kind"])
+         for g in hlo_stats.gemms(hlo)]
+  assert got == [("scaled-dot", ["f4e2m1fn", "f4e2m1fn"], [8, 16], 64, "fusion.1",
+                  "__triton_nested_gemm_fusion"),
+                 ("dot", ["f32", "f32"], [8, 16], 64, "wrapped", "kLoop")]
+
+
+def test_snappy_decodes_literals_and_overlapping_copies():
+  # 11 bytes: the literal "hello", then a copy of 6 bytes from 5 back (it overlaps itself).
+  stream = bytes([11, (5 - 1) << 2]) + b"hello" + bytes([((6 - 4) << 2) | 1, 5])
+  assert gpu_binary._snappy(stream, 0) == b"hellohelloh"
+  assert gpu_binary._snappy(bytes([11, 0x09, 5]), 0) is None  # a copy before any output
+
+
+def test_differences_name_what_changed():
+  gemm = dict(kind="dot bf16", kernel_kind="kLoop", op="dot", operands=["bf16", "bf16"],
+              mma={"HMMA": 8})
+  row = dict(program="linear", recipe="mxfp4", backend="native", compiled=True, error=None,
+             gemms=[gemm])
+  report = dict(rows=[row])
+  assert gpu_compile.differences(report, report) == []
+  other = dict(rows=[dict(row, gemms=[dict(gemm, mma={"UTCOMMA": 6})])])
+  (line,) = gpu_compile.differences(report, other)
+  assert "HMMA" in line and "UTCOMMA" in line
