@@ -125,10 +125,14 @@ def _leaf_shapes(tree):
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if leaf is None or not hasattr(leaf, "shape"):
       continue
-    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-             for k in path]
-    out["/".join(names)] = tuple(leaf.shape)
+    out[leaf_name(path)] = tuple(leaf.shape)
   return out
+
+
+def leaf_name(path):
+  """"params/block_0/attn/q/kernel" of a pytree key path."""
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                  for k in path)
 
 
 def _mismatch(saved, wanted):

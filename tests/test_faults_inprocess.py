@@ -632,3 +632,31 @@ def test_a_truncated_newest_checkpoint_is_named_and_the_one_before_used(
                           str(tmp_path / "from_run"))
   assert summary["status"] == "completed"
   assert "cannot be read; using step 4" in capfd.readouterr().err
+
+
+def test_init_from_weights_with_nan_is_refused_naming_them(trained, tmp_path):
+  import safetensors.numpy  # pylint: disable=import-outside-toplevel
+  hf_dir = tmp_path / "hf"
+  export.export(str(trained), str(hf_dir))
+  weights = safetensors.numpy.load_file(str(hf_dir / "model.safetensors"))
+  weights["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+  safetensors.numpy.save_file(weights, str(hf_dir / "model.safetensors"),
+                              metadata={"format": "pt"})
+  with pytest.raises(errors.UserError, match=r"^bad config: config.init_from: .* holds NaN or "
+                     r"Inf in 1 tensor\(s\): block_0/mlp/down/kernel; give"):
+    trainer.train(tiny_config(**STEPS, steps=1, init_from=str(hf_dir)), str(tmp_path / "run"))
+
+
+def test_a_symlinked_metrics_file_stays_a_link(trained, tmp_path):
+  """A resume that rewrites metrics.jsonl (rows after its checkpoint are
+  dropped) writes the file the link points to."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  target = tmp_path / "elsewhere.jsonl"
+  shutil.move(str(workdir / "metrics.jsonl"), str(target))
+  os.symlink(str(target), str(workdir / "metrics.jsonl"))
+  shutil.rmtree(workdir / "checkpoints" / "8")  # resumes at 4: rows 5-8 dropped, then again
+  trainer.train(tiny_config(**STEPS), str(workdir))
+  assert os.path.islink(workdir / "metrics.jsonl")
+  steps = [json.loads(line)["step"] for line in target.read_text().splitlines()]
+  assert steps == list(range(9)), steps

@@ -8,6 +8,7 @@ these are fast: what is tested is which runs the runner reuses.
 import hashlib
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -108,3 +109,47 @@ def test_a_forged_manifest_does_not_make_a_run_complete(tmp_path):
   del files["metrics.jsonl"]
   (run / committed.MANIFEST).write_text(json.dumps({"files": files}))
   assert not committed.is_complete(str(run))
+
+
+def _git_repo(path):
+  os.makedirs(path)
+  subprocess.run(["git", "init", "-q", path], check=True)
+
+
+def test_git_commit_preconditions_are_checked_before_anything(tmp_path, fake_training):
+  """--git_commit with results outside any git work tree, or a declaration
+  outside the results' repository: refused before a record is written or a
+  run trains."""
+  config = _config()
+  work, results = str(tmp_path / "work"), str(tmp_path / "results")
+  with pytest.raises(errors.UserError, match=r"--git_commit: .*results' is not in a git work "
+                     "tree"):
+    ablation.run_ablation(config, work, results, git_commit=True)
+  _git_repo(str(tmp_path / "repo"))
+  (tmp_path / "DECLARATION.json").write_text("{}")
+  config.ablation.declaration = str(tmp_path / "DECLARATION.json")
+  for _ in range(2):  # the same command again: still refused
+    with pytest.raises(errors.UserError, match=r"DECLARATION.json' is not inside the "
+                       "repository"):
+      ablation.run_ablation(config, work, str(tmp_path / "repo" / "results"), git_commit=True)
+  assert not fake_training and not os.path.exists(tmp_path / "repo" / "results")
+
+
+def test_results_folder_mistakes_name_the_results_folder(tmp_path, fake_training):
+  os.symlink(str(tmp_path / "gone"), str(tmp_path / "dangling"))
+  with pytest.raises(errors.UserError, match=r"^--results folder '.*dangling' is a symbolic "
+                     "link"):
+    ablation.run_ablation(_config(), str(tmp_path / "work"), str(tmp_path / "dangling"))
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(errors.UserError, match=r"^--results folder '.*file' is a file"):
+    ablation.run_ablation(_config(), str(tmp_path / "work"), str(tmp_path / "file"))
+
+
+def test_an_interrupted_study_says_so_and_reports_nothing(tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(ablation, "_train", lambda *a: dict(
+      status="interrupted", message="stopped by SIGTERM at step 3"))
+  assert ablation.run_ablation(_config(), str(tmp_path / "work")) == []
+  out = capsys.readouterr().out
+  assert ("ablation: interrupted (stopped by SIGTERM at step 3; a checkpoint was saved); "
+          "run the same command again to resume") in out, out
+  assert not (tmp_path / "work" / "table.md").exists()

@@ -241,8 +241,11 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   runs = [(arm, seed, report.run_dir(workdir, arm.name, seed, len(seeds)))
           for i, seed in enumerate(seeds) for arm in arms if i < counts[arm.name]]
   out = results or workdir
-  workdir_lib.prepare(workdir)
-  workdir_lib.prepare(out)
+  if git_commit:  # before anything is written or trained
+    committed.check_repository([results] + ([config.ablation.declaration]
+                                            if config.ablation.declaration else []))
+  workdir_lib.prepare(workdir, "--workdir")
+  workdir_lib.prepare(out, "--results folder" if results else "--workdir")
   diffs = _other_config(config, workdir, results, runs)
   if diffs and not new_runs_beside:
     raise errors.UserError(
@@ -277,8 +280,9 @@ def run_ablation(config, workdir, results=None, git_commit=False,
     else:
       summary = _train(config, arm, seed, path)
       if summary["status"] == "interrupted":
-        print("ablation: interrupted; run the same command again to resume", flush=True)
-        return _report(config, out, names)
+        print(f"ablation: interrupted ({summary['message']}; a checkpoint was saved); "
+              "run the same command again to resume", flush=True)
+        return []
     if results:
       dst = committed.publish(path, os.path.join(results, os.path.basename(path)))
       if git_commit:

@@ -75,6 +75,27 @@ def _git(args, cwd):
   return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
 
 
+def check_repository(paths):
+  """(the repository's top folder, `paths` relative to it) when the paths
+  (which need not exist yet) are inside one git work tree; UserError naming
+  the first that is not."""
+  paths = [os.path.abspath(p) for p in paths]
+  cwd = paths[0]
+  while not os.path.isdir(cwd):  # the nearest folder that exists
+    cwd = os.path.dirname(cwd)
+  top = _git(["rev-parse", "--show-toplevel"], cwd)
+  if top.returncode:
+    raise errors.UserError(f"--git_commit: {paths[0]!r} is not in a git work tree "
+                           f"({top.stderr.strip()})")
+  root = top.stdout.strip()
+  rel = [os.path.relpath(os.path.realpath(p), os.path.realpath(root)) for p in paths]
+  outside = [p for p, r in zip(paths, rel) if r.startswith("..")]
+  if outside:
+    raise errors.UserError(f"--git_commit: {outside[0]!r} is not inside the repository "
+                           f"{root!r}, so it cannot be committed with the results")
+  return root, rel
+
+
 def git_commit(paths, message) -> str | None:
   """Commits exactly `paths` (files or folders of one repository) with `message`;
   returns the new commit's hash, or None when nothing in them changed.
@@ -82,16 +103,7 @@ def git_commit(paths, message) -> str | None:
   Other staged or unstaged changes are left as they were. errors.UserError
   when the paths are not in a git work tree or git refuses.
   """
-  paths = [os.path.abspath(p) for p in paths]
-  cwd = os.path.dirname(paths[0]) if not os.path.isdir(paths[0]) else paths[0]
-  top = _git(["rev-parse", "--show-toplevel"], cwd)
-  if top.returncode:
-    raise errors.UserError(f"--git_commit: {paths[0]!r} is not in a git work tree "
-                           f"({top.stderr.strip()})")
-  root = top.stdout.strip()
-  rel = [os.path.relpath(p, root) for p in paths]
-  if any(r.startswith("..") for r in rel):
-    raise errors.UserError(f"--git_commit: {rel} are not all inside the repository {root!r}")
+  root, rel = check_repository(paths)
   steps = (["add", "--", *rel],
            ["commit", "--quiet", "--only", "-m", message, "--", *rel])
   if not _git(["status", "--porcelain", "--", *rel], root).stdout.strip():

@@ -312,6 +312,11 @@ class HfCheckpoint:
         records.HfConfig, read_json(config_path, "config"), config_path), config_path)
     check_model_fields(cfg, fields, config_path)
     self.files = weight_files(directory)
+    tensors = 1 + len(_BLOCK) * cfg.n_layers + len(_TOP)  # tensor_table's rows
+    if len(self.files) not in (tensors, tensors - 1):  # - 1: a tied lm_head
+      raise ConvertError(
+          f"{config_path}: its {cfg.n_layers} layers make {tensors:,} tensors, but "
+          f"the weights of {directory!r} hold {len(self.files):,}")
     table = tensor_table(cfg)
     expected = [row[0] for row in table]
     if tied and "lm_head.weight" not in self.files:

@@ -1,7 +1,8 @@
 """Writes that leave either the old file or the new one, never a part.
 
 `write_text(path, text)` writes a temporary file in the same folder, fsyncs
-it and renames it over `path` (a rename within one folder is atomic on
+it and renames it over `path` (over the file a symbolic link `path` points
+to, so the link stays) (a rename within one folder is atomic on
 POSIX), then fsyncs the folder so the rename itself survives a crash. A
 full disk (ENOSPC) removes the temporary file and raises errors.DiskFull
 naming `path` and the space the write needed; the old file is untouched.
@@ -38,7 +39,8 @@ def fsync_dir(directory):
 def write_text(path, text):
   """Replaces (or creates) `path` with `text` (str or bytes) atomically."""
   data = text.encode("utf-8") if isinstance(text, str) else text
-  directory = os.path.dirname(os.path.abspath(path))
+  path = os.path.realpath(path)  # a symbolic link stays one: its target is written
+  directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory,
                              prefix=f".{os.path.basename(path)}.",
                              suffix=".tmp")

@@ -19,6 +19,9 @@ full host copy per process.
 
 import os
 
+import jax
+import jax.numpy as jnp
+
 from fp4jax import checkpointing
 from fp4jax.train import export
 from fp4jax.llama import hf as hf_llama
@@ -57,6 +60,22 @@ class _RunCheckpoint:
           self.directory, self.step, abstract_params, fall_back=self._fall_back)[1]
     except checkpointing.CheckpointUnreadable as e:
       raise ConfigError(f"bad config: config.init_from: {e}") from None
+
+
+def load(source, abstract_params, path):
+  """source.load(abstract_params), refusing parameters that are not finite:
+  ConfigError naming the tensors that hold NaN or Inf (a run from them
+  would skip every step)."""
+  params = source.load(abstract_params)
+  finite = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
+  bad = [checkpointing.leaf_name(p) for p, ok in
+         jax.tree_util.tree_leaves_with_path(finite) if not ok]
+  if bad:
+    raise ConfigError(
+        f"bad config: config.init_from: {path!r} holds NaN or Inf in {len(bad)} "
+        f"tensor(s): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; give a "
+        "checkpoint with finite weights")
+  return params
 
 
 def open_source(path, cfg):

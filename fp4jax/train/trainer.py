@@ -524,7 +524,8 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
   if restored is None:
     state = programs.init(programs.params_key)
     if init_source is not None:
-      state = state.replace(params=init_source.load(programs.abstract.params))
+      state = state.replace(params=init_from.load(
+          init_source, programs.abstract.params, config.init_from))
   else:
     step, state, data_state = restored
     _restore_data_state(batches, data_state, step, workdir, override_resume)

@@ -83,25 +83,26 @@ def write_json(path, obj):
   atomic.write_text(path, text)
 
 
-def prepare(workdir):
-  """Creates `workdir` if needed; WorkdirError if it is not a writable dir."""
+def prepare(workdir, what="workdir"):
+  """Creates `workdir` if needed; WorkdirError if it is not a writable dir
+  (`what`: how the messages name it, e.g. "--results folder")."""
   if os.path.islink(workdir) and not os.path.exists(workdir):
-    raise WorkdirError(f"workdir {workdir!r} is a symbolic link to "
+    raise WorkdirError(f"{what} {workdir!r} is a symbolic link to "
                        f"{os.readlink(workdir)!r}, which does not exist; "
                        "create that directory, or remove the link to have "
-                       "the workdir created here.")
+                       f"the {what} created here.")
   if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise WorkdirError(f"workdir {workdir!r} is a file, not a directory; "
+    raise WorkdirError(f"{what} {workdir!r} is a file, not a directory; "
                        "give a directory (it is created if missing).")
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     if e.errno == errno.ENOSPC:
       raise errors.disk_full(workdir, None) from None
-    raise WorkdirError(f"cannot create workdir {workdir!r}: "
+    raise WorkdirError(f"cannot create {what} {workdir!r}: "
                        f"{e.strerror}") from None
   if not os.access(workdir, os.W_OK | os.X_OK):
-    raise WorkdirError(f"workdir {workdir!r} is not writable; give a "
+    raise WorkdirError(f"{what} {workdir!r} is not writable; give a "
                        "directory you can write to.")
 
 
