@@ -422,6 +422,42 @@ def test_packed_checkpoints_that_cannot_be_read_are_named(exports, runs,
     hf_packed.checkpoint(bad, cfg)
 
 
+def test_scanned_and_sharded_packed_exports_hold_the_same_tensors(runs,
+                                                                  tmp_path):
+  torch, _, _ = _interop()
+  config, cfg = export.run_config(runs["nvfp4"])
+  cfg = dataclasses.replace(cfg, bf16_layers=())  # scanned blocks share one recipe
+  params = jax.tree.map(np.asarray, _run(runs["nvfp4"])[2])
+  scanned_cfg = dataclasses.replace(cfg, scan_layers=True)
+  scanned = {k: v for k, v in params.items() if not k.startswith("block_")}
+  scanned["blocks"] = jax.tree.map(lambda *x: np.stack(x), params["block_0"],
+                                   params["block_1"])
+  written = []
+  for c, p, max_bytes in ((cfg, params, 1e9), (scanned_cfg, scanned, 1e9),
+                          (cfg, params, 3e4)):
+    out = str(tmp_path / str(len(written)))
+    os.makedirs(out)
+    packed = export_fp4.PackedExport(config, c, STEPS, "nvfp4",
+                                     "compressed-tensors")
+    n_files, _ = export.write_weights(p, c, out, np.float32, max_bytes, packed)
+    written.append((out, n_files))
+  (single, _), (from_scan, _), (sharded, n_files) = written
+  assert n_files > 2
+  want = _tensors(single)
+  got = _tensors(from_scan)
+  from safetensors.torch import load_file  # pylint: disable=g-import-not-at-top
+  for name in os.listdir(sharded):
+    if name.endswith(".safetensors"):
+      for key, value in load_file(os.path.join(sharded, name)).items():
+        assert torch.equal(value.view(torch.uint8),
+                           want[key].view(torch.uint8)), key
+  assert sorted(got) == sorted(want)
+  for key, value in want.items():
+    assert torch.equal(got[key].view(torch.uint8), value.view(torch.uint8)), key
+  with open(os.path.join(sharded, hf_llama.INDEX_FILE)) as f:
+    assert sorted(json.load(f)["weight_map"]) == sorted(want)
+
+
 def test_packed_weights_take_028x_of_bf16(exports):
   _interop()
   for name, ratio in (("nvfp4", 4.5 / 16), ("mxfp4-fprop", 4.25 / 16)):
