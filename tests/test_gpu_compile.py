@@ -11,6 +11,7 @@ asserted as found, so a change in XLA shows up here.
 import collections
 import importlib.util
 import os
+import subprocess
 
 import jax
 import numpy as np
@@ -21,7 +22,8 @@ from fp4jax.bench import gpu_binary, gpu_compile, hlo_stats
 PLUGIN = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
 needs_plugin = pytest.mark.skipif(
     not PLUGIN, reason='needs the CUDA plugin: pip install -e ".[gpu-compile]" (Python >= 3.12)')
-BLOCK_SCALED_TCGEN05 = {"UTCOMMA", "UTCQMMA"}  # Blackwell's MMAs that read FP4/FP8 elements
+# Blackwell's MMAs that read FP4/FP8 elements with their block scales.
+BLOCK_SCALED_TCGEN05 = {"UTCOMMA block-scaled", "UTCQMMA block-scaled"}
 
 
 @pytest.fixture(scope="module", params=gpu_compile.TARGETS)
@@ -145,6 +147,43 @@ def test_the_tiny_train_step_compiles(mesh):
   kinds = collections.Counter(g["kind"] for g in row.gemms)
   # 4 blocks x 7 linears x 3 GEMMs; attention and the head stay unquantized.
   assert kinds["block-scaled (scaled-dot)"] == 84, kinds
+
+
+_TCGEN05_PTX = """.version 8.8
+.target sm_100a
+.address_size 64
+.visible .entry k(.param .u64 pa, .param .u64 pb)
+{{
+  .reg .b32 %r<8>;
+  .reg .b64 %rd<4>;
+  .reg .pred %p<2>;
+  ld.param.u64 %rd1, [pa];
+  ld.param.u64 %rd2, [pb];
+  mov.u32 %r1, 0;
+  mov.u32 %r2, 0;
+  mov.u32 %r4, 64;
+  mov.u32 %r5, 96;
+  setp.ne.u32 %p1, %r2, 0;
+  tcgen05.mma.cta_group::1.kind::{kind} [%r1], %rd1, %rd2, %r2{scales}, %p1;
+  ret;
+}}
+"""
+
+
+@needs_plugin
+@pytest.mark.parametrize("kind,want", [
+    ("f16", "UTCHMMA"), ("f8f6f4", "UTCQMMA"),
+    ("mxf8f6f4.block_scale", "UTCQMMA block-scaled"),
+    ("mxf4.block_scale", "UTCOMMA block-scaled"),
+    ("mxf4nvf4.block_scale.scale_vec::4X", "UTCOMMA.4X block-scaled")])
+def test_sass_names_each_tcgen05_kind(tmp_path, kind, want):
+  """The known answer: ptxas's own translation of each tcgen05.mma kind."""
+  ptxas = os.path.join(os.path.dirname(gpu_binary._nvdisasm()), "ptxas")
+  scales = ", [%r4], [%r5]" if "block_scale" in kind else ""
+  (tmp_path / "k.ptx").write_text(_TCGEN05_PTX.format(kind=kind, scales=scales))
+  subprocess.run([ptxas, "-arch", "sm_100a", str(tmp_path / "k.ptx"), "-o",
+                  str(tmp_path / "k.cubin")], check=True)
+  assert gpu_binary.sass_mma((tmp_path / "k.cubin").read_bytes()) == {want: 1}
 
 
 def test_gemms_name_the_kernel_and_operand_types():

@@ -47,10 +47,11 @@ What is checked, and how:
   (MXFP4) with FP4/FP8 operand types, and no dot outside the composite's own
   decomposition takes a dequantized operand. This is StableHLO before XLA's
   passes: it shows what XLA is handed, not what it makes of it;
-- only by a device run (benchmarks/gpu_check.sh, stage native): that XLA's
-  rewriters keep those ops block-scaled in the optimized HLO (a cuDNN custom
-  call or a Triton scaled-dot fusion rather than a plain dot) and how fast
-  they run; that needs compute capability >= 10 (Blackwell) for FP4 units.
+- by XLA's GPU compiler without a device (tests/test_gpu_compile.py, for H200
+  and B200): MXFP4's three GEMMs stay Triton scaled-dot fusions on FP4
+  operands, whose B200 kernels run block-scaled tcgen05 MMAs; what cuDNN
+  makes of scaled_matmul needs the driver (docs/performance.md);
+- only by a device run (benchmarks/gpu_check.sh): how fast they run.
 
 `unsupported_device()` says why a device has no block-scaled matrix units
 (what backend "auto" asks before it picks this backend).

@@ -3,12 +3,15 @@
 XLA compiles a GPU program to one cubin per kernel; jax's serialized
 executable (jax.experimental.serialize_executable) carries them inside a
 Riegeli record file (64 KiB blocks, each opened by a 24-byte header) whose
-records hold a Snappy-compressed GpuExecutableProto. `cubins`
-unpacks that, disassembles each kernel's cubin with CUDA's nvdisasm (the
-nvidia-cuda-nvdisasm wheel) and counts, per kernel, the SASS matrix instructions: on Blackwell (sm_100) the tcgen05
-family (UTCHMMA: 16-bit inputs; UTCQMMA: FP8/FP6/FP4 inputs in the f8f6f4
-kind, FP8 rate; UTCOMMA: FP4-only block-scaled MMA, twice that rate), on
-Hopper HGMMA / QGMMA (wgmma with 16-bit / FP8 inputs), elsewhere HMMA.
+records hold Snappy-compressed protos. `cubins` unpacks them; `sass_mma`
+disassembles one with CUDA's nvdisasm (the nvidia-cuda-nvdisasm wheel) and
+counts its SASS matrix instructions, with " block-scaled" added where the
+instruction reads block scales from tensor memory. What ptxas (CUDA 13.5,
+sm_100a) makes of each tcgen05.mma kind, checked in tests/test_gpu_compile.py:
+kind::f16 -> UTCHMMA, kind::f8f6f4 -> UTCQMMA, kind::mxf8f6f4.block_scale ->
+UTCQMMA block-scaled, kind::mxf4.block_scale -> UTCOMMA block-scaled,
+kind::mxf4nvf4 (scale_vec::4X) -> UTCOMMA.4X block-scaled. On Hopper HGMMA /
+QGMMA are wgmma with 16-bit / FP8 inputs; HMMA is the warp-level mma.sync.
 Library kernels (cuBLAS, cuDNN) are not in the program and are not seen.
 """
 
@@ -27,7 +30,8 @@ from jax.experimental import serialize_executable
 _RIEGELI = b"\x83\xaf\x70\xd1\x0d\x88\x4a\x3f"
 _BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
 _ELF = b"\x7fELF"
-MMA = re.compile(r"\b(UTC[A-Z]*MMA|[A-Z]GMMA|[A-Z]MMA)\b")
+MMA = re.compile(r"\b(UTC[A-Z]*MMA(?:\.\w+)*|[A-Z]GMMA|[A-Z]MMA)\b([^;]*)")
+_BLOCK_SCALED_TMEM = 3  # a block-scaled tcgen05 MMA names D, A's and B's scales in tensor memory
 
 
 def _varint(data, i):
@@ -134,4 +138,6 @@ def sass_mma(image):
     with open(path, "wb") as f:
       f.write(image)
     sass = subprocess.run([_nvdisasm(), path], capture_output=True, text=True, check=True).stdout
-  return collections.Counter(MMA.findall(sass))
+  return collections.Counter(
+      op + (" block-scaled" if operands.count("tmem[") >= _BLOCK_SCALED_TMEM else "")
+      for op, operands in MMA.findall(sass))
