@@ -458,6 +458,17 @@ def test_scanned_and_sharded_packed_exports_hold_the_same_tensors(runs,
     assert sorted(json.load(f)["weight_map"]) == sorted(want)
 
 
+def test_the_recipe_of_the_last_step_is_exported(runs):
+  with open(os.path.join(runs["mxfp4-dh16"], "config.json")) as f:
+    config = json.load(f)
+  assert export_fp4.run_recipe(config, STEPS).name == "mxfp4-dh16"
+  config["quant_schedule"] = [[1, "bf16"]]  # bf16 from the second step on
+  assert export_fp4.run_recipe(config, 1).name == "mxfp4-dh16"
+  assert export_fp4.run_recipe(config, 2).name == "bf16"
+  p = fp4_weights.plan(export_fp4.run_recipe(config, 2), "mxfp4")
+  assert not p.exact and p.rotation is None
+
+
 def test_packed_weights_take_028x_of_bf16(exports):
   _interop()
   for name, ratio in (("nvfp4", 4.5 / 16), ("mxfp4-fprop", 4.25 / 16)):
