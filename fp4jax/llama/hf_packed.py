@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf
 from fp4jax.llama.hf import ConvertError
-from fp4jax.numerics import formats
 from fp4jax.numerics import hadamard
 
 CT_GROUPS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
@@ -161,20 +161,15 @@ class _Reader:
     packed_name, scale_name, global_name, _ = (
         f"{module}.{p}" for p in _PARTS[ckpt.layout])
     packed = self._read(packed_name, np.uint8)
-    codes = np.asarray(formats.unpack_fp4(jnp.asarray(packed), axis=-1),
-                       np.float32)
-    groups = (codes.shape[0], codes.shape[1] // ckpt.group)
-    if ckpt.group == 32:  # MXFP4: E8M0 bits
-      bits = self._read(scale_name, np.uint8, groups)
-      scales = np.ldexp(np.float32(1), bits.astype(np.int32) - 127)
-    else:
-      scales = self._read(scale_name, ml_dtypes.float8_e4m3fn,
-                          groups).astype(np.float32)
+    groups = (packed.shape[0], packed.shape[1] * 2 // ckpt.group)
+    mx = ckpt.group == 32  # E8M0 bits; NVFP4: E4M3 and a per-tensor scale
+    scales = self._read(scale_name, np.uint8 if mx else ml_dtypes.float8_e4m3fn,
+                        groups)
+    w = fp4_weights.Fp4Weight(packed, scales, None).dequantize()
+    if not mx:
       g = self._read(global_name, np.float32).reshape(())
       # compressed-tensors divides by its global scale, ModelOpt multiplies.
-      scales = scales / g if ckpt.layout == "compressed-tensors" else (
-          scales * g)
-    w = codes * np.repeat(scales, ckpt.group, axis=1)
+      w = w / g if ckpt.layout == "compressed-tensors" else w * g
     if ckpt.rotation and module not in ckpt.rotation_ignore:
       # Stored as W^T H (H symmetric, its own inverse): undo the rotation.
       w = np.asarray(hadamard.rotate(jnp.asarray(w), ckpt.rotation, -1))
