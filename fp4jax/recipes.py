@@ -203,6 +203,8 @@ class Recipe:
           node.rounding = spec.rounding
           node.block_2d = spec.block_2d
           node.block_scale = spec.block_scale
+          node.sr_bits = spec.sr_bits
+          node.sr_round_up_scale = float(spec.sr_round_up_scale)
       h, node = gemm.hadamard, cfg[role].hadamard
       node.block = 0 if h is None else h.block
       if h is not None:
@@ -303,7 +305,8 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
   """ConfigDict: `name` (a preset) plus typed None placeholders (keep the preset).
 
   Per role (fprop, dgrad, wgrad): lhs/rhs.{fmt, block_size, scale_mode,
-  rounding, block_2d, block_scale} and hadamard.{block, signs, seed}; plus
+  rounding, block_2d, block_scale, sr_bits, sr_round_up_scale} and
+  hadamard.{block, signs, seed}; plus
   compute_dtype, backend, native_route, residuals, plain_route and scale_mode
   (the rule of every MX operand without its own scale_mode).
   """
@@ -311,7 +314,9 @@ def config_template(name: str = "bf16") -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         fmt=config_dict.placeholder(str), block_size=config_dict.placeholder(int),
         scale_mode=config_dict.placeholder(str), rounding=config_dict.placeholder(str),
-        block_2d=config_dict.placeholder(bool), block_scale=config_dict.placeholder(str)))
+        block_2d=config_dict.placeholder(bool), block_scale=config_dict.placeholder(str),
+        sr_bits=config_dict.placeholder(int),
+        sr_round_up_scale=config_dict.placeholder(float)))
 
   def gemm():
     return ml_collections.ConfigDict(dict(

@@ -62,10 +62,13 @@ def round_nearest(v, elem):
   return np.where(np.isnan(v), np.nan, np.sign(v) * r)
 
 
-def round_stochastic(v, elem, bits):
+def round_stochastic(v, elem, bits, sr_bits=24, sr_round_up_scale=1.0):
   """Rounds to the grid neighbour above (towards +inf) with probability frac,
   the distance from the one below in units of their gap, taken as
-  u = (bits >> 8) / 2^24 < frac; saturating; NaN stays NaN."""
+  u = (bits >> 8) / 2^24 < frac; saturating; NaN stays NaN. Other sr_bits or
+  sr_round_up_scale: round_magnitude_stochastic."""
+  if (sr_bits, sr_round_up_scale) != (24, 1.0):
+    return round_magnitude_stochastic(v, elem, bits, sr_bits, sr_round_up_scale)
   grid = element_grid(elem)
   full = np.concatenate([-grid[:0:-1], grid])
   hi = np.clip(np.searchsorted(full, v), 1, len(full) - 1)
@@ -75,6 +78,22 @@ def round_stochastic(v, elem, bits):
   r = np.where(u < frac, full[hi], full[lo])
   r = np.where(v == full[lo], full[lo], r)
   return np.where(np.isnan(v), np.nan, np.clip(r, full[0], full[-1]))
+
+
+def round_magnitude_stochastic(v, elem, bits, sr_bits, sr_round_up_scale):
+  """|v| moves up to its grid neighbour above with probability p, else down:
+  p = the distance from the neighbour below in units of their gap, truncated
+  to sr_bits bits, times sr_round_up_scale (in float32), taken as
+  u = (bits >> (32 - sr_bits)) / 2^sr_bits < p; sign kept; saturating."""
+  grid = element_grid(elem)
+  a = np.abs(v)
+  hi = np.clip(np.searchsorted(grid, a, side="right"), 1, len(grid) - 1)
+  lo = hi - 1
+  p = np.floor((a - grid[lo]) / (grid[hi] - grid[lo]) * 2.0**sr_bits) / 2.0**sr_bits
+  p = (p.astype(F32) * F32(sr_round_up_scale)).astype(np.float64)
+  u = (bits >> np.uint32(32 - sr_bits)).astype(np.float64) / 2**sr_bits
+  r = np.where(a >= grid[-1], grid[-1], np.where(u < p, grid[hi], grid[lo]))
+  return np.where(np.isnan(v), np.nan, np.copysign(r, v))
 
 
 def shared_exponent(amax, elem, mode):
@@ -117,12 +136,12 @@ def _blocks(x, axis, block):
 
 
 def quantize(x, fmt, block_size=None, scale_mode="floor", rounding="nearest",
-             axis=-1, bits=None):
+             axis=-1, bits=None, sr_bits=24, sr_round_up_scale=1.0):
   """Reference quantize + dequantize.
 
   x: NumPy float array (f32 or bf16). bits: uint32 array of the blocked padded
   shape ([..., n_blocks, block, ...], or x.shape per tensor) for random
-  roundings. Returns dict(q=elements f64 (x.shape), scale=per-block scales
+  roundings, which sr_bits and sr_round_up_scale shape as QuantSpec's do. Returns dict(q=elements f64 (x.shape), scale=per-block scales
   (exponents for MX, None entries as NaN), y=dequantized float32 (x.shape)).
   """
   family, elem, default_block = FORMAT_PARAMS[fmt]
@@ -166,7 +185,7 @@ def quantize(x, fmt, block_size=None, scale_mode="floor", rounding="nearest",
     if rounding == "nearest":
       q = round_nearest(v, elem)
     else:
-      q = round_stochastic(v, elem, bits.reshape(v.shape))
+      q = round_stochastic(v, elem, bits.reshape(v.shape), sr_bits, sr_round_up_scale)
     y = (q * s).astype(F32)
     if g is not None:
       y = (y * g).astype(F32)

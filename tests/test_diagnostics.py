@@ -278,6 +278,37 @@ def test_signed_error_of_e2m1_rounding_by_hand():
   assert np.isnan(D.signed_error(a, jnp.zeros_like(a)))
 
 
+def _wgrad_lhs_signed(x_value, **wgrad_lhs):
+  """gemm_stats' wgrad lhs_signed for X = x_value everywhere [256, 64] under
+  mxfp4-sr with `wgrad_lhs` fields set on its Wgrad lhs (from the config)."""
+  cfg = recipes.config_template("mxfp4-sr")
+  for k, v in wgrad_lhs.items():
+    cfg.wgrad.lhs[k] = v
+  recipe = recipes.from_config(cfg)
+  x = jnp.full((256, 64), x_value, jnp.float32)
+  w = jax.random.normal(jax.random.key(0), (64, 32))
+  dy = jax.random.normal(jax.random.key(1), (256, 32))
+  return float(jax.jit(functools.partial(D.gemm_stats, recipe))(
+      x, w, dy, jax.random.key(2))[0]["wgrad"]["lhs_signed"])
+
+
+def test_signed_error_shows_the_bias_of_a_biased_and_a_few_bit_sr():
+  """By hand. X = 5 (scale 1, between E2M1's 4 and 6, fraction 1/2): SR
+  rounds up with probability 1/2, E[q - 5] = 0; with sr_round_up_scale=0.5
+  with 1/4, E[q - 5] = 1/4 - 3/4 = -1/2, so the signed error E[q - 5] * 5 / 25
+  is -0.1. Per element q - 5 has standard deviation 1 (0.866 biased), over
+  16384 elements the estimate 1 / (5 * 128) = 0.0016: within 5 of those.
+  X = 4 + 2 * 3/1024 (fraction 3/1024 < 2^-8): 8 random bits truncate the
+  fraction to 0, every element rounds to 4, signed error (4 - x) / x exactly;
+  24 bits round up now and then, unbiased."""
+  se = 1 / (5 * 128)
+  assert abs(_wgrad_lhs_signed(5.0)) < 5 * se
+  assert _wgrad_lhs_signed(5.0, sr_round_up_scale=0.5) == pytest.approx(-0.1, abs=5 * 0.866 * se)
+  x = 4 + 2 * 3 / 1024
+  assert _wgrad_lhs_signed(x, sr_bits=8) == pytest.approx((4 - x) / x, rel=1e-5)
+  assert abs(_wgrad_lhs_signed(x)) < 5 * 2 * np.sqrt(3 / 1024) / x / 128
+
+
 def _linear_model_halves(rng, reps, k=12, n=3, m=8):
   """`reps` batches of 2m rows of y = x W* + noise, x ~ N(0, I): their half-batch
   gradients by `half_gradients` (vmapped) from each batch's mean-loss dy, and

@@ -156,6 +156,43 @@ def test_plain_route_is_a_config_key():
   assert recipes.from_config(r.to_config()) == r
 
 
+def test_sr_bits_and_round_up_scale_are_config_keys():
+  """The few-bit and the biased SR from the config and back; defaults unchanged."""
+  assert recipes.from_config(recipes.config_template("mxfp4-sr")) == recipes.recipe("mxfp4-sr")
+  cfg = recipes.config_template("mxfp4-dh16")
+  for op in ("lhs", "rhs"):
+    cfg.wgrad[op].rounding = "stochastic"
+    cfg.wgrad[op].sr_round_up_scale = 0.5
+  cfg.wgrad.rhs.sr_bits = 8
+  r = recipes.from_config(cfg)
+  assert (r.wgrad.lhs.sr_bits, r.wgrad.lhs.sr_round_up_scale) == (24, 0.5)
+  assert (r.wgrad.rhs.sr_bits, r.wgrad.rhs.sr_round_up_scale) == (8, 0.5)
+  assert r.fprop == recipes.recipe("mxfp4-dh16").fprop
+  assert "wgrad.rhs.sr_bits=8" in r.name and "wgrad.lhs.sr_round_up_scale=0.5" in r.name
+  assert recipes.from_config(r.to_config()) == r
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("sr_bits", 32, r"sr_bits must be an int in \[1, 24\], got 32"),
+    ("sr_bits", 0, r"sr_bits must be an int in \[1, 24\], got 0"),
+    ("sr_round_up_scale", 1.5, r"sr_round_up_scale must be a number in \[0, 1\], got 1.5"),
+    ("sr_round_up_scale", -0.1, r"must be a number in \[0, 1\], got -0.1"),
+])
+def test_bad_sr_values_name_what_is_allowed(field, value, message):
+  cfg = recipes.config_template("mxfp4-sr")
+  cfg.wgrad.lhs[field] = value
+  with pytest.raises(ValueError, match=message):
+    recipes.from_config(cfg)
+
+
+def test_sr_keys_on_a_nearest_rounding_are_refused():
+  cfg = recipes.config_template("mxfp4-dh16")
+  cfg.wgrad.lhs.sr_bits = 8
+  with pytest.raises(ValueError, match=r"sr_bits=8, sr_round_up_scale=1.0 set how a random "
+                     r"rounding rounds; rounding='nearest' is not random"):
+    recipes.from_config(cfg)
+
+
 def test_recipe_wide_scale_mode():
   """quant.scale_mode sets every MX operand of every role; per-operand values win."""
   cfg = recipes.config_template("mxfp4-dh16")
@@ -221,3 +258,7 @@ def test_command_line_override():
   assert dataclasses.replace(r, name="mxfp4-floor") == recipes.recipe("mxfp4-floor")
   with pytest.raises(flags.IllegalFlagValueError):
     _parse(["prog", "--config.quant.wgrad.hadamard.block=abc"])
+  r = recipes.from_config(_parse(
+      ["prog", "--config.quant.name=mxfp4-dh16", "--config.quant.wgrad.rhs.rounding=stochastic",
+       "--config.quant.wgrad.rhs.sr_round_up_scale=0.5", "--config.quant.wgrad.rhs.sr_bits=8"]))
+  assert (r.wgrad.rhs.sr_bits, r.wgrad.rhs.sr_round_up_scale) == (8, 0.5)

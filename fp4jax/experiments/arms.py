@@ -8,7 +8,7 @@ An arm is written `NAME=PRESET:KEY=VALUE,KEY=VALUE` (or `NAME=PRESET`, or just
 
 KEYs are the fields of fp4jax.recipes.config_template() below `quant`
 (ROLE.OPERAND.FIELD, ROLE.hadamard.FIELD, compute_dtype, backend, residuals,
-scale_mode); VALUEs are read by the field's type (int, true/false, text).
+scale_mode); VALUEs are read by the field's type (int, number, true/false, text).
 `parse_arms("A0=mxfp4-dh16; A1=...; fp8")` reads a semicolon-separated list.
 A bad arm raises fp4jax.train.config.ConfigError naming what was given and
 what is allowed.
@@ -64,7 +64,8 @@ def _leaves(node, prefix=""):
   return out
 
 
-_ALLOWED_KEYS = ("ROLE.OPERAND.{fmt, block_size, scale_mode, rounding, block_2d, block_scale}, "
+_ALLOWED_KEYS = ("ROLE.OPERAND.{fmt, block_size, scale_mode, rounding, block_2d, block_scale, "
+                 "sr_bits, sr_round_up_scale}, "
                  "ROLE.hadamard.{block, signs, seed}, compute_dtype, backend, residuals, "
                  f"scale_mode (ROLE: {', '.join(recipes.ROLES)}; OPERAND: "
                  f"{', '.join(recipes.OPERANDS)})")
@@ -80,6 +81,11 @@ def _value(text, field_type, where):
       return int(text)
     except ValueError:
       raise train_config.ConfigError(f"{where}: {text!r} is not an integer") from None
+  if field_type is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise train_config.ConfigError(f"{where}: {text!r} is not a number") from None
   return text
 
 

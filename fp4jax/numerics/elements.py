@@ -69,16 +69,17 @@ def round_half_even_by_floor(t):
       lax.bitcast_convert_type(r, jnp.int32) | sign, jnp.float32)
 
 
-def round_element(v, elem: ElementFormat, random_bits=None, nearest=round_half_even):
+SR_BITS = 24  # random bits per element of the default stochastic rounding
+
+
+def round_element(v, elem: ElementFormat, random_bits=None, nearest=round_half_even,
+                  sr_bits=SR_BITS, sr_round_up_scale=1.0):
   """Rounds float32 `v` onto `elem`'s grid, saturating at +-elem.max.
 
   random_bits None: round to nearest, ties to even, with `nearest` (float32 ->
   nearest integer, ties to even: round_half_even, or round_half_even_by_floor
-  inside a Triton kernel). Otherwise a uint32 array of
-  v's shape: stochastic rounding, up with probability equal to the distance
-  from the grid point below in ulps, drawn as u = (bits >> 8) / 2^24 < frac
-  (unbiased whenever frac is a multiple of 2^-24, i.e. always in the normal
-  range of the element format). NaN stays NaN; +-Inf saturates.
+  inside a Triton kernel). Otherwise a uint32 array of v's shape: stochastic
+  rounding (stochastic_round). NaN stays NaN; +-Inf saturates.
   """
   m = elem.mbits
   exp_v = (lax.bitcast_convert_type(v, jnp.int32) >> 23) & 0xFF
@@ -89,10 +90,36 @@ def round_element(v, elem: ElementFormat, random_bits=None, nearest=round_half_e
   if random_bits is None:
     r = nearest(t)
   else:
-    fl = jnp.floor(t)
-    u = (random_bits >> 8).astype(jnp.int32).astype(jnp.float32) * 2.0**-24
-    r = fl + (u < t - fl).astype(jnp.float32)
+    r = stochastic_round(t, random_bits, sr_bits, sr_round_up_scale)
   return jnp.clip(r * ulp, -elem.max, elem.max)
+
+
+def stochastic_round(t, random_bits, sr_bits=SR_BITS, sr_round_up_scale=1.0):
+  """float32 `t` (in ulps of the grid) to an integer neighbour, from uint32
+  `random_bits` of t's shape, of which the top `sr_bits` (1..24) are used,
+  as k = bits >> (32 - sr_bits), u = k / 2^sr_bits.
+
+  Default (24 bits, scale 1): floor(t) + [u < t - floor(t)], up with
+  probability equal to the distance from the integer below (exact whenever
+  that fraction is a multiple of 2^-24, i.e. always in the normal range of
+  the element format). Otherwise, in sign-magnitude as a hardware converter
+  rounds: the magnitude |t| moves away from zero iff u < p, where p is the
+  fraction |t| - floor(|t|) truncated to `sr_bits` bits (fewer random bits:
+  a shrink toward zero below 2^-sr_bits ulps) times `sr_round_up_scale`
+  (in [0, 1]; 0.5 halves the round-up probability, a bias toward zero of
+  half the fraction).
+  """
+  u = (random_bits >> (32 - sr_bits)).astype(jnp.int32).astype(jnp.float32) * 2.0**-sr_bits
+  if (sr_bits, sr_round_up_scale) == (SR_BITS, 1.0):
+    fl = jnp.floor(t)
+    return fl + (u < t - fl).astype(jnp.float32)
+  a = jnp.abs(t)
+  fl = jnp.floor(a)
+  p = a - fl
+  if sr_bits < SR_BITS:
+    p = jnp.floor(p * 2.0**sr_bits) * 2.0**-sr_bits
+  p = p * jnp.float32(sr_round_up_scale)
+  return jnp.copysign(fl + (u < p).astype(jnp.float32), t)
 
 
 def e2m1_codes(q):

@@ -87,6 +87,11 @@ class QuantSpec:
   errs less, fp4jax.numerics.four_over_six) or "ms_eden" (nvfp4, rounding
   "stochastic": elements round to nearest, the EDEN-corrected block scales
   stochastically; fp4jax.numerics.eden).
+  sr_bits (1..24, default 24) and sr_round_up_scale (in [0, 1], default 1):
+  how a random rounding rounds, random roundings only
+  (fp4jax.numerics.elements.stochastic_round): the random bits used per
+  element, and a factor on the probability of rounding a magnitude up (0.5
+  halves it: a biased SR). The defaults are unbiased SR.
   """
   fmt: str
   block_size: int | None = None
@@ -94,6 +99,8 @@ class QuantSpec:
   rounding: str = "nearest"
   block_2d: bool = False
   block_scale: str = "amax"
+  sr_bits: int = elements.SR_BITS
+  sr_round_up_scale: float = 1.0
 
   def __post_init__(self):
     _check_name("format", self.fmt, FORMATS)
@@ -124,11 +131,30 @@ class QuantSpec:
       raise ValueError(f"block_scale='ms_eden' needs fmt='nvfp4' and rounding='stochastic' "
                        f"(its randomness is in the scales); got fmt={self.fmt!r}, "
                        f"rounding={self.rounding!r}")
+    self._check_sr()
     if self.block_scale == "four_over_six" and (
         self.fmt != "nvfp4" or self.rounding == "stochastic_dither"):
       raise ValueError(f"block_scale='four_over_six' needs fmt='nvfp4' and nearest or "
                        f"stochastic rounding; got fmt={self.fmt!r}, "
                        f"rounding={self.rounding!r}")
+
+  def _check_sr(self):
+    """ValueError for sr_bits / sr_round_up_scale out of range, or set on a nearest rounding."""
+    bits, scale = self.sr_bits, self.sr_round_up_scale
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= elements.SR_BITS:
+      raise ValueError(f"sr_bits must be an int in [1, {elements.SR_BITS}], got {bits!r}")
+    if (isinstance(scale, bool) or not isinstance(scale, (int, float))
+        or not 0.0 <= scale <= 1.0):
+      raise ValueError(f"sr_round_up_scale must be a number in [0, 1], got {scale!r}")
+    if not self.is_random and (bits, scale) != (elements.SR_BITS, 1.0):
+      raise ValueError(f"sr_bits={bits!r}, sr_round_up_scale={scale!r} set how a random "
+                       f"rounding rounds; rounding={self.rounding!r} is not random (use "
+                       f"'stochastic' or 'stochastic_dither')")
+
+  @property
+  def sr(self) -> dict:
+    """round_element's keyword arguments for this spec's random rounding."""
+    return dict(sr_bits=self.sr_bits, sr_round_up_scale=self.sr_round_up_scale)
 
   @property
   def family(self) -> str:
@@ -352,7 +378,7 @@ def _element_values(x, spec, axis, key):
   if spec.block_scale == "ms_eden":
     q = round_element(v, spec.element)
     s = round_element(eden.corrected_scales(v, q, s, red), ELEMENTS["e4m3"],
-                      jax.random.bits(key, s.shape, jnp.uint32))
+                      jax.random.bits(key, s.shape, jnp.uint32), **spec.sr)
     return q, s, jnp.squeeze(s.astype(jnp.float8_e4m3fn), red), g, n
   bits = None
   if spec.is_random:
@@ -360,11 +386,11 @@ def _element_values(x, spec, axis, key):
   if spec.rounding == "stochastic_dither":
     v = v * 0.75
     g = jnp.float32(4.0 / 3.0) * (1.0 if g is None else g)
-  q = round_element(v, spec.element, bits)
+  q = round_element(v, spec.element, bits, **spec.sr)
   if four_six:
     s4, v4 = _nvfp4_scaled(xb, amax, finite, g, four_over_six.SMALL_PEAK)
-    q, s = four_over_six.select(xb, (q, s), (round_element(v4, spec.element, bits), s4), g,
-                                red)
+    q4 = round_element(v4, spec.element, bits, **spec.sr)
+    q, s = four_over_six.select(xb, (q, s), (q4, s4), g, red)
     stored = jnp.squeeze(s.astype(jnp.float8_e4m3fn), red)
   return q, s, stored, g, n
 
@@ -450,7 +476,8 @@ def clip_mask(x, spec: QuantSpec, axis: int = -1):
   False. Random roundings are judged by their nearest-rounding scales (the
   same scales). 1D blocks only."""
   x = jnp.asarray(x)
-  spec = dataclasses.replace(spec, rounding="nearest")
+  spec = dataclasses.replace(spec, rounding="nearest", sr_bits=elements.SR_BITS,
+                             sr_round_up_scale=1.0)
   axis = _check_input(x, spec, axis, None)
   if spec.block_2d:
     raise ValueError("clip_mask takes 1D blocks; got a block_2d spec")
@@ -488,7 +515,7 @@ def round_to_element(x_scaled, spec: QuantSpec, random_bits=None,
     raise ValueError(f"rounding={spec.rounding!r} "
                      + ("needs" if spec.is_random else "takes no")
                      + " random_bits")
-  return round_element(x_scaled, spec.element, random_bits, nearest)
+  return round_element(x_scaled, spec.element, random_bits, nearest, **spec.sr)
 
 
 def pack_fp4(values, axis=-1):
