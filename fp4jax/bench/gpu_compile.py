@@ -27,7 +27,9 @@ For every program: compiled or the one-line error, its GEMMs by kind
 (fp4jax.bench.hlo_stats.gemms), the tensor-core instructions of each GEMM
 kernel read from the compiled binary (fp4jax.bench.gpu_binary; --no-sass
 skips it) and the memory the program needs: arguments + outputs + temporaries
-- aliased bytes (XLA's buffer assignment). Exits 1 naming what failed to compile.
+- aliased bytes (XLA's buffer assignment). The JSON report (--out, rewritten
+after each program, so an interrupted run keeps what it finished) records the
+date, the git commit and the jax versions. Exits 1 naming what failed to compile.
 """
 
 import argparse
@@ -37,6 +39,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -51,6 +54,7 @@ from fp4jax.data import tokenizers
 from fp4jax.llama import model as model_lib
 from fp4jax.train import cli
 from fp4jax.train import config as train_config
+from fp4jax.train import atomic
 from fp4jax.train import trainer
 
 TARGETS = ("h200", "b200")
@@ -374,11 +378,28 @@ def _versions():
   return out
 
 
+def _commit():
+  """The checkout's git commit ('+' when files differ from it), or None outside git."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                           check=True, capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+" if dirty else "")
+
+
 def main(argv):
   args = parser().parse_args(argv)
   if args.target != "device":  # compile only: no CUDA device, no CUDA version check
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     jax.config.update("jax_platforms", "cpu")
+  if args.out and not os.access(os.path.dirname(os.path.abspath(args.out)), os.W_OK):
+    print(f"gpu_compile: --out {args.out!r}: its folder does not exist or is not writable",
+          file=sys.stderr)
+    sys.exit(2)
   against = None
   if args.against:
     try:
@@ -395,6 +416,9 @@ def main(argv):
     sys.exit(2)
   mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
   sass = not args.no_sass
+  report = dict(target=args.target, device=devices[0].device_kind,
+                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                commit=_commit(), versions=_versions(), options=COMPILE_OPTIONS, rows=[])
   rows = []
   for program in args.what:
     if program == "linear":
@@ -405,17 +429,13 @@ def main(argv):
       rows += step_rows(program, devices, sass)
     else:
       rows += block_rows(devices, sass)
-  report = dict(target=args.target, device=devices[0].device_kind,
-                date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-                versions=_versions(), options=COMPILE_OPTIONS,
-                rows=[dataclasses.asdict(r) for r in rows])
-  print(f"{report['date']}, {report['device']} ({args.target}), "
+    report["rows"] = [dataclasses.asdict(r) for r in rows]
+    if args.out:  # after each program, so that an interrupted report keeps what it has
+      atomic.write_text(args.out, json.dumps(report, indent=1))
+  print(f"{report['date']}, {report['device']} ({args.target}), commit {report['commit']}, "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + f", {COMPILE_OPTIONS}")
   print(markdown(rows))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=1)
   if against is not None:
     lines = differences(report, against)
     print(f"\nagainst {args.against} ({against['device']}, {against['versions']}): "
