@@ -445,6 +445,32 @@ def test_sigint_during_an_export_is_one_line_and_writes_nothing(trained, tmp_pat
   assert sorted(os.listdir(tmp_path)) == []  # neither OUT_DIR nor OUT_DIR.partial
 
 
+# The ablation runner whose first run's process gets a real SIGTERM after step 2.
+TERM_ABLATION = (
+    "import os, runpy, signal, sys; from fp4jax.train import trainer; advance = trainer._advance\n"
+    "def advance_(run, *a):\n"
+    "  out = advance(run, *a)\n"
+    "  if a[2].step == 2: os.kill(os.getpid(), signal.SIGTERM)\n"
+    "  return out\n"
+    "trainer._advance = advance_\n"
+    "sys.argv[0] = 'ablation'\n"
+    "runpy.run_module('fp4jax.experiments.ablation', run_name='__main__')")
+
+
+def test_sigterm_to_the_ablation_runner_says_it_was_interrupted(tmp_path):
+  rc, out = run("--config=configs/ablation_tiny.py", f"--workdir={tmp_path / 'study'}",
+                "--config.model.n_layers=1", "--config.steps=4", "--config.seq_len=16",
+                "--config.batch_size=8", "--config.eval_batches=1",
+                "--config.eval_batch_size=8", "--config.ablation.recipes=bf16,fp8",
+                "--config.ablation.seeds=1", "--config.ablation.compilation_cache=",
+                "--config.diagnostics.enabled=False", code=TERM_ABLATION)
+  assert rc == 0, out[-3000:]
+  assert out.strip().splitlines()[-1] == (
+      "ablation: interrupted (stopped by SIGTERM at step 2; a checkpoint was saved); run "
+      "the same command again to resume"), out[-3000:]
+  assert "no runs with metrics.jsonl" not in out and "Traceback" not in out
+
+
 def test_tool_clis(tmp_path):
   rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.plot")
   _user_error(rc, out, "missing", "does not exist")
