@@ -660,3 +660,30 @@ def test_a_symlinked_metrics_file_stays_a_link(trained, tmp_path):
   assert os.path.islink(workdir / "metrics.jsonl")
   steps = [json.loads(line)["step"] for line in target.read_text().splitlines()]
   assert steps == list(range(9)), steps
+
+
+def _word_tokenizer(directory, vocab):
+  """A tiny Hugging Face tokenizer.json (WordLevel) with `vocab` in that order."""
+  os.makedirs(directory)
+  (directory / "tokenizer.json").write_text(json.dumps({
+      "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+      "normalizer": None, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None,
+      "decoder": None, "model": {"type": "WordLevel", "unk_token": "a",
+                                 "vocab": {w: i for i, w in enumerate(vocab)}}}))
+
+
+def test_a_resume_from_another_directory_with_another_tokenizer_is_refused(
+    tmp_path, monkeypatch):
+  """data.tokenizer "tok" is read from the current directory: the run started
+  in a/ may not resume from b/, whose "tok" is another tokenizer."""
+  _word_tokenizer(tmp_path / "a" / "tok", ["<s>", "</s>", "a", "def", "return"])
+  _word_tokenizer(tmp_path / "b" / "tok", ["<s>", "</s>", "a", "return", "def"])
+  config = tiny_config(**STEPS, steps=2, checkpoint_every=2)
+  config.data.tokenizer = "tok"
+  monkeypatch.chdir(tmp_path / "a")
+  trainer.train(config, str(tmp_path / "run"))
+  monkeypatch.chdir(tmp_path / "b")
+  config.steps = 4
+  with pytest.raises(errors.UserError, match=r"data.tokenizer: '.*/a/tok/tokenizer.json "
+                     r"\(sha256 \w+\)' -> '.*/b/tok/tokenizer.json"):
+    trainer.train(config, str(tmp_path / "run"))
