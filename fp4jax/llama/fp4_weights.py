@@ -9,7 +9,7 @@ blocks along K, or NVIDIA's square tiles. `fp4_weight` redoes exactly that
 and returns the codes and scales in Hugging Face's [out, in] layout:
 
   packed   uint8 [out, in/2]: two E2M1 codes per byte along `in`, column 2j
-           in the low nibble (fp4jax.numerics.formats.pack_fp4)
+           in the low nibble (fp4jax.pack_fp4)
   scales   [out, in/block]: float8_e4m3fn (NVFP4) or the uint8 bits of E8M0
            (MXFP4); a square tile's scale is repeated over the tile's rows,
            which is exact in this layout
@@ -25,22 +25,19 @@ rotation with random signs). Bad input raises ConvertError (one line).
 """
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fp4jax
+from fp4jax import fprop_operands
 from fp4jax.llama.hf import ConvertError
-from fp4jax.numerics import blocks2d
-from fp4jax.numerics import formats
-from fp4jax.numerics import operand
 
 # Export format -> its block (the group size of the packed layouts).
 FORMATS = {"nvfp4": 16, "mxfp4": 32}
 # The spec a run trained in another format is quantized with after training.
-POST_TRAINING = {"nvfp4": formats.QuantSpec("nvfp4"),
-                 "mxfp4": formats.QuantSpec("mxfp4", scale_mode="floor")}
+POST_TRAINING = {"nvfp4": fp4jax.QuantSpec("nvfp4"),
+                 "mxfp4": fp4jax.QuantSpec("mxfp4", scale_mode="floor")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +50,7 @@ class Plan:
   what the forward used instead (one line).
   """
   fmt: str
-  spec: formats.QuantSpec
+  spec: fp4jax.QuantSpec
   rotation: object
   exact: bool
   why: str = ""
@@ -97,7 +94,7 @@ class Fp4Weight:
 
   def dequantize(self):
     """float32 [out, in]: code * block scale (* global scale)."""
-    codes = np.asarray(formats.unpack_fp4(jnp.asarray(self.packed), axis=-1),
+    codes = np.asarray(fp4jax.unpack_fp4(jnp.asarray(self.packed), axis=-1),
                        np.float32)
     if self.scales.dtype == np.uint8:  # E8M0 bits
       scales = np.ldexp(np.float32(1), self.scales.astype(np.int32) - 127)
@@ -118,8 +115,8 @@ def fp4_weight(kernel, n_in, compute_dtype, p: Plan) -> Fp4Weight:
     step = block if k % block else p.rotation.block
     raise ConvertError(f"a kernel of shape {list(shape)} contracts {k} inputs, "
                        f"not a multiple of {step}; {p.fmt} packs whole blocks")
-  values, scales, g = _quantize(jnp.asarray(kernel).reshape((k,) + shape[n_in:]),
-                                jnp.dtype(compute_dtype), p.spec, p.rotation)
+  values, scales, g = fprop_operands.weight(jnp.asarray(kernel).reshape((k,) + shape[n_in:]),
+                                            jnp.dtype(compute_dtype), p.spec, p.rotation)
   values = values.reshape(k, -1).T  # [out, in]
   n_out = values.shape[0]
   if p.spec.block_2d:  # [K/t, ceil(N/t)] tiles: each over t rows
@@ -129,7 +126,7 @@ def fp4_weight(kernel, n_in, compute_dtype, p: Plan) -> Fp4Weight:
   scales = np.asarray(scales)
   if p.fmt == "mxfp4":
     scales = scales.view(np.uint8)
-  return Fp4Weight(np.asarray(formats.pack_fp4(values, axis=-1)),
+  return Fp4Weight(np.asarray(fp4jax.pack_fp4(values, axis=-1)),
                    np.ascontiguousarray(scales),
                    None if g is None else np.float32(g))
 
@@ -152,13 +149,3 @@ def fused_fp4_weights(kernels, n_in, compute_dtype, p: Plan) -> list:
           for a, b in zip(rows[:-1], rows[1:])]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _quantize(x, compute_dtype, spec, rotation):
-  """(values, scales, global scale) of x [K, ...] quantized along axis 0 as
-  fp4jax.dot's Fprop quantizes its rhs (fp4jax.backends.xla.quantize)."""
-  x = operand.rotate_padded(x.astype(compute_dtype), rotation, None, 0)
-  if spec.block_2d:
-    q = blocks2d.quantize_tiles(x.reshape(x.shape[0], -1), spec)
-  else:
-    q = formats.quantize(x, spec, axis=0)
-  return q.values, q.scales, q.global_scale

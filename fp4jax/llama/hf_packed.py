@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import fp4jax
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf
 from fp4jax.llama.hf import ConvertError
-from fp4jax.numerics import hadamard
 
 CT_GROUPS = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
 MODELOPT_CONFIG = "hf_quant_config.json"
@@ -172,7 +172,7 @@ class _Reader:
       w = w / g if ckpt.layout == "compressed-tensors" else w * g
     if ckpt.rotation and module not in ckpt.rotation_ignore:
       # Stored as W^T H (H symmetric, its own inverse): undo the rotation.
-      w = np.asarray(hadamard.rotate(jnp.asarray(w), ckpt.rotation, -1))
+      w = np.asarray(fp4jax.rotate(jnp.asarray(w), ckpt.rotation, -1))
     return w
 
   def _read(self, name, dtype, shape=None):

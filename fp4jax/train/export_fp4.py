@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from fp4jax import fprop_operands
 from fp4jax import recipes
 from fp4jax import schedule
 from fp4jax.data import pipeline
@@ -49,8 +50,6 @@ from fp4jax.llama import fp4_weights
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import ConvertError
-from fp4jax.numerics import formats
-from fp4jax.numerics import operand
 from fp4jax.train.config import resolve_recipe
 
 LAYOUTS = {"compressed-tensors": ("nvfp4", "mxfp4"), "modelopt": ("nvfp4",)}
@@ -256,8 +255,8 @@ class PackedExport:
 
 def _per_tensor_scale(amax):
   """fp4jax's NVFP4 per-tensor scale of a tensor of max |x| `amax` (float32;
-  1 for 0), fp4jax.numerics.formats."""
-  g = np.float32(amax) * np.float32(1 / formats.NVFP4_GLOBAL_DIVISOR)
+  1 for 0), as fp4jax.numerics.formats computes it."""
+  g = np.float32(amax) * np.float32(1 / fprop_operands.NVFP4_GLOBAL_DIVISOR)
   return g if g > 0 else np.float32(1)
 
 
@@ -294,7 +293,7 @@ def input_amax(config, cfg, recipe, params, n_batches):
           node = node[key]
         x = node["DotGeneral_0"]["lhs"][0]
         x = x.reshape(x.shape[:x.ndim - layer.n_in] + (-1,))
-        x = operand.rotate_padded(x, rotation, None, x.ndim - 1)
+        x = fprop_operands.rotated_input(x, rotation, x.ndim - 1)
         out[f"model.layers.{i}.{layer.hf_name[:-len('.weight')]}"] = (
             jnp.max(jnp.abs(x.astype(jnp.float32))))
     return out
