@@ -164,23 +164,26 @@ _TCGEN05_PTX = """.version 8.8
   mov.u32 %r4, 64;
   mov.u32 %r5, 96;
   setp.ne.u32 %p1, %r2, 0;
-  tcgen05.mma.cta_group::1.kind::{kind} [%r1], %rd1, %rd2, %r2{scales}, %p1;
+  mov.u32 %r3, 32;
+  tcgen05.mma.cta_group::1.kind::{kind} [%r1], {a}, %rd2, %r2{scales}, %p1;
   ret;
 }}
 """
 
 
 @needs_plugin
+@pytest.mark.parametrize("a", ["%rd1", "[%r3]"], ids=["a_in_shared", "a_in_tensor_memory"])
 @pytest.mark.parametrize("kind,want", [
     ("f16", "UTCHMMA"), ("f8f6f4", "UTCQMMA"),
     ("mxf8f6f4.block_scale", "UTCQMMA block-scaled"),
     ("mxf4.block_scale", "UTCOMMA block-scaled"),
     ("mxf4nvf4.block_scale.scale_vec::4X", "UTCOMMA.4X block-scaled")])
-def test_sass_names_each_tcgen05_kind(tmp_path, kind, want):
-  """The known answer: ptxas's own translation of each tcgen05.mma kind."""
+def test_sass_names_each_tcgen05_kind(tmp_path, kind, want, a):
+  """The known answer: ptxas's own translation of each tcgen05.mma kind, its A
+  operand in shared memory (a descriptor) or in tensor memory."""
   ptxas = os.path.join(os.path.dirname(gpu_binary._nvdisasm()), "ptxas")
   scales = ", [%r4], [%r5]" if "block_scale" in kind else ""
-  (tmp_path / "k.ptx").write_text(_TCGEN05_PTX.format(kind=kind, scales=scales))
+  (tmp_path / "k.ptx").write_text(_TCGEN05_PTX.format(kind=kind, scales=scales, a=a))
   subprocess.run([ptxas, "-arch", "sm_100a", str(tmp_path / "k.ptx"), "-o",
                   str(tmp_path / "k.cubin")], check=True)
   assert gpu_binary.sass_mma((tmp_path / "k.cubin").read_bytes()) == {want: 1}

@@ -6,7 +6,8 @@ Riegeli record file (64 KiB blocks, each opened by a 24-byte header) whose
 records hold Snappy-compressed protos. `cubins` unpacks them; `sass_mma`
 disassembles one with CUDA's nvdisasm (the nvidia-cuda-nvdisasm wheel) and
 counts its SASS matrix instructions, with " block-scaled" added where the
-instruction reads block scales from tensor memory. What ptxas (CUDA 13.5,
+instruction reads block scales from tensor memory (a tensor-memory operand
+after its instruction descriptor). What ptxas (CUDA 13.5,
 sm_100a) makes of each tcgen05.mma kind, checked in tests/test_gpu_compile.py:
 kind::f16 -> UTCHMMA, kind::f8f6f4 -> UTCQMMA, kind::mxf8f6f4.block_scale ->
 UTCQMMA block-scaled, kind::mxf4.block_scale -> UTCOMMA block-scaled,
@@ -31,7 +32,9 @@ _RIEGELI = b"\x83\xaf\x70\xd1\x0d\x88\x4a\x3f"
 _BLOCK, _BLOCK_HEADER, _CHUNK_HEADER = 1 << 16, 24, 40
 _ELF = b"\x7fELF"
 MMA = re.compile(r"\b(UTC[A-Z]*MMA(?:\.\w+)*|[A-Z]GMMA|[A-Z]MMA)\b([^;]*)")
-_BLOCK_SCALED_TMEM = 3  # a block-scaled tcgen05 MMA names D, A's and B's scales in tensor memory
+# A block-scaled tcgen05 MMA names its scales' tensor memory after the instruction
+# descriptor (an A operand read from tensor memory comes first, as in UTCHMMA's).
+_SCALES_AFTER_IDESC = re.compile(r"idesc\[[^\]]*\],\s*tmem\[")
 
 
 def _varint(data, i):
@@ -139,5 +142,5 @@ def sass_mma(image):
       f.write(image)
     sass = subprocess.run([_nvdisasm(), path], capture_output=True, text=True, check=True).stdout
   return collections.Counter(
-      op + (" block-scaled" if operands.count("tmem[") >= _BLOCK_SCALED_TMEM else "")
+      op + (" block-scaled" if _SCALES_AFTER_IDESC.search(operands) else "")
       for op, operands in MMA.findall(sass))
