@@ -115,7 +115,7 @@ def test_bad_declaration_is_a_user_error(tmp_path):
   raw = json.loads(path.read_text())
   del raw["power"]
   path.write_text(json.dumps(raw))
-  with pytest.raises(errors.UserError, match="missing power"):
+  with pytest.raises(errors.UserError, match="field .power. is missing"):
     declaration.load(path)
 
 
