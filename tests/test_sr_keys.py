@@ -29,7 +29,7 @@ from fp4jax import dot, flax as fflax
 from fp4jax.numerics.formats import QuantSpec
 from fp4jax.recipes import Gemm, Recipe
 from tests.helpers import final_state, tiny_config
-from tests.test_sr_properties import binomial_two_sided_p
+from tests.helpers import binomial_two_sided_p
 
 N = 64
 A = jnp.full((N, N), 5.0, jnp.float32)

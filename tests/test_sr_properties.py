@@ -26,30 +26,11 @@ import pytest
 
 from fp4jax.numerics import formats
 from tests import numpy_reference as ref
+from tests.helpers import binomial_two_sided_p
 
 N_DRAWS = 4096
 ALPHA = 1e-6
 FRACTIONS = (0.001, 1 / 3, 0.5, 0.9)
-
-
-def _log_binomial_pmf(n, p):
-  """log P(K = k) for k = 0..n of Binomial(n, p), p an array [V] in [0, 1]: [V, n + 1]."""
-  k = np.arange(n + 1)
-  log_fact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, n + 1)))])
-  log_choose = log_fact[n] - log_fact[k] - log_fact[n - k]
-  with np.errstate(divide="ignore", invalid="ignore"):
-    lp, lq = np.log(p)[:, None], np.log1p(-p)[:, None]
-    out = log_choose + np.where(k > 0, k * lp, 0.0) + np.where(k < n, (n - k) * lq, 0.0)
-  return out
-
-
-def binomial_two_sided_p(count, n, p):
-  """Exact two-sided p-values of counts [V] under Binomial(n, p [V]): the
-  probability of an outcome no likelier than the one seen."""
-  logpmf = _log_binomial_pmf(n, np.asarray(p, np.float64))
-  seen = np.take_along_axis(logpmf, np.asarray(count)[:, None], 1)
-  pmf = np.exp(logpmf)
-  return np.minimum(1.0, np.sum(np.where(logpmf <= seen + 1e-9, pmf, 0.0), axis=1))
 
 
 def _element_values(elem):
