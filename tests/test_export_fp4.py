@@ -150,6 +150,11 @@ def _quantization_config(directory):
     return json.load(f)["quantization_config"]
 
 
+def _release(version):
+  """'0.20.1' or '0.20.1.dev3' -> (0, 20, 1)."""
+  return tuple(int(part) for part in version.split(".")[:3])
+
+
 def _bf16(x):
   import torch  # pylint: disable=g-import-not-at-top
   return torch.tensor(x).bfloat16()
@@ -210,7 +215,10 @@ def test_quantization_config_is_the_block_compressed_tensors_writes(
   dumped = json.loads(json.dumps(config.model_dump(exclude=["quant_method"])))
   assert {k: ours[k] for k in dumped} == dumped
   assert ours["quant_method"] == "compressed-tensors"
-  assert ours["version"] == ct.__version__ and ours["sparsity_config"] == {}
+  # The block names the compressed-tensors release whose layout it follows;
+  # a later release must still read it (validated above).
+  assert ours["version"] == export_fp4.CT_VERSION and ours["sparsity_config"] == {}
+  assert _release(ct.__version__) >= _release(export_fp4.CT_VERSION)
   transform = ours["transform_config"]
   if name == "nvfp4":
     assert transform == {}
