@@ -36,6 +36,7 @@ def get_config():
   config.log_every = 50
   config.ablation = ablation.ablation_config()
   config.diagnostics = ablation.diagnostics_config()
+  config.ablation.cpus_per_run = 0  # one run at a time, on the accelerator
   config.diagnostics.every = 250
   config.diagnostics.window = 4
   config.diagnostics.ref_batch_size = 8

@@ -138,8 +138,12 @@ class Summary:
 
 @dataclasses.dataclass(frozen=True)
 class Wall:
-  """the ablation's wall.json of a run"""
+  """the ablation's wall.json of a run (fp4jax.experiments.code_version: the
+  code and core count that made it; missing in runs before they were recorded)"""
   wall_s: float
+  code: str | None = None
+  commit: str | None = None
+  cpus: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

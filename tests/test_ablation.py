@@ -34,6 +34,7 @@ def _tiny_ablation_config():
   config.ablation.seeds = 2
   config.ablation.recipe_seeds = "bf16:1"
   config.ablation.compilation_cache = ""  # process-wide JAX state: not from a test
+  config.ablation.cpus_per_run = 0  # in this process (test_parallel_runs: side by side)
   config.diagnostics.layers = "block_0/mlp/down"
   config.diagnostics.every = 3
   config.diagnostics.window = 2

@@ -463,6 +463,7 @@ def test_sigterm_to_the_ablation_runner_says_it_was_interrupted(tmp_path):
                 "--config.batch_size=8", "--config.eval_batches=1",
                 "--config.eval_batch_size=8", "--config.ablation.recipes=bf16,fp8",
                 "--config.ablation.seeds=1", "--config.ablation.compilation_cache=",
+                "--config.ablation.cpus_per_run=0",  # the patched step is in this process
                 "--config.diagnostics.enabled=False", code=TERM_ABLATION)
   assert rc == 0, out[-3000:]
   assert out.strip().splitlines()[-1] == (

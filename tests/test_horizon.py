@@ -272,6 +272,7 @@ def _study(tmp_path):
   config.ablation.arms = "A0=mxfp4-dh16; A1=mxfp4-dh16:wgrad.hadamard.signs=per-step"
   config.ablation.seeds, config.ablation.recipe_seeds = 2, ""
   config.ablation.compilation_cache = ""
+  config.ablation.cpus_per_run = 0  # in this process
   config.ablation.declaration = str(tmp_path / "DECLARATION.json")
   config.diagnostics.enabled = False
   return config

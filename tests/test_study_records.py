@@ -24,6 +24,7 @@ def _config():
   config.steps = 4
   config.ablation = ablation.ablation_config()
   config.ablation.recipes, config.ablation.compilation_cache = "bf16,fp8", ""
+  config.ablation.cpus_per_run = 0  # in this process
   config.diagnostics = ablation.diagnostics_config()
   config.diagnostics.enabled = False
   return config

@@ -39,6 +39,13 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
                          fraction of the tokens
   ablation.compilation_cache  JAX's persistent compilation cache directory,
                          shared by all runs and reruns ("" = off)
+  ablation.cpus_per_run  cores each run's process is pinned to (1); a run's bits
+                         depend on it (XLA's CPU thread pool is that large), so a
+                         study records it. 0: one run at a time in this process,
+                         on every core
+  ablation.parallel      runs side by side (0: as many as fit the cores, 2 on a
+                         2-core machine: 1.26x the runs per hour of one run on both
+                         cores, docs/ablation.md); not part of a study's config
   ablation.baseline      recipe whose final validation loss is the target ("fp8")
   ablation.target_at     the target is the baseline's validation loss at this
                          fraction of its tokens (1.0: its final loss)
@@ -87,8 +94,10 @@ from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.experiments import arms as arms_lib
+from fp4jax.experiments import code_version
 from fp4jax.experiments import committed
 from fp4jax.experiments import declaration
+from fp4jax.experiments import parallel
 from fp4jax.experiments import report
 from fp4jax.experiments import study_config
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -106,7 +115,7 @@ def ablation_config() -> ml_collections.ConfigDict:
       arms="", declaration="",
       target_loss=config_dict.placeholder(float), target_at=1.0,
       diverge_loss=config_dict.placeholder(float), zoom=0.5, late_from=0.5,
-      compilation_cache="~/.cache/fp4jax/jax"))
+      compilation_cache="~/.cache/fp4jax/jax", parallel=0, cpus_per_run=1))
 
 
 def diagnostics_config() -> ml_collections.ConfigDict:
@@ -207,14 +216,24 @@ def _status(path):
   return records.read(records.Summary, summary)["status"]
 
 
-def _add_wall(path, seconds):
-  """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)."""
+def _wall(path):
+  """WORKDIR/<run>/wall.json, or None before the run's first attempt ended."""
   file = os.path.join(path, "wall.json")
+  return records.read(records.Wall, file) if os.path.exists(file) else None
+
+
+def _add_wall(path, seconds, made_by):
+  """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)
+  and records `made_by` (code_version.current) there."""
   os.makedirs(path, exist_ok=True)  # a run that failed at start made none
-  total = 0.0
-  if os.path.exists(file):
-    total = records.read(records.Wall, file)["wall_s"]
-  atomic.write_text(file, json.dumps({"wall_s": total + seconds}))
+  total = (_wall(path) or {"wall_s": 0.0})["wall_s"]
+  atomic.write_text(os.path.join(path, "wall.json"),
+                    json.dumps({"wall_s": total + seconds, **made_by}))
+
+
+def _run_cpus(config):
+  """The cores each run's process has: cpus_per_run, or all (0)."""
+  return config.ablation.cpus_per_run or len(os.sched_getaffinity(0))
 
 
 def run_ablation(config, workdir, results=None, git_commit=False,
@@ -266,27 +285,17 @@ def run_ablation(config, workdir, results=None, git_commit=False,
     study_config.record(folder, config)
     workdir_lib.write_json(os.path.join(folder, "arms.json"), {
         a.name: dict(spec=a.spec, recipe=a.recipe.name) for a in arms})
-  if config.ablation.compilation_cache:
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.expanduser(config.ablation.compilation_cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  todo = []
   for arm, seed, path in runs:
     if _published(results, path):
       print(f"ablation: {_published(results, path)} complete in the results, skipped", flush=True)
-      continue
-    status = _status(path)
-    if status not in (None, "interrupted"):
-      print(f"ablation: {path} already {status}, skipped", flush=True)
+    elif _status(path) not in (None, "interrupted"):
+      print(f"ablation: {path} already {_status(path)}, skipped", flush=True)
+      _publish(results, git_commit, arm, seed, path)
     else:
-      summary = _train(config, arm, seed, path)
-      if summary["status"] == "interrupted":
-        print(f"ablation: interrupted ({summary['message']}; a checkpoint was saved); "
-              "run the same command again to resume", flush=True)
-        return []
-    if results:
-      dst = committed.publish(path, os.path.join(results, os.path.basename(path)))
-      if git_commit:
-        committed.git_commit([dst], f"{dst}: {arm.name} seed {seed} finished")
+      todo.append((arm, seed, path))
+  if todo and not _train_all(config, todo, results, git_commit):
+    return []
   rows = _report(config, out, names)
   if git_commit:
     committed.git_commit([results], f"{results}: report")
@@ -310,6 +319,9 @@ def _other_config(config, workdir, results, runs) -> str:
       return f"its finished run {done} has no config.json the trainer wrote"
     if diffs:
       return f"its finished run {done}: {study_config.shown(diffs)}"
+    made = code_version.mismatch(_wall(done) or {}, code_version.current(_run_cpus(config)))
+    if made:
+      return f"its finished run {done} was made by other code or cores: {made}"
   return ""
 
 
@@ -344,7 +356,85 @@ def _published(results, path):
   return dst if committed.is_complete(dst) else None
 
 
+def _publish(results, git_commit, arm, seed, path):
+  """Copies the finished run `path` into RESULTS/<run> (and commits it)."""
+  if results:
+    dst = committed.publish(path, os.path.join(results, os.path.basename(path)))
+    if git_commit:
+      committed.git_commit([dst], f"{dst}: {arm.name} seed {seed} finished")
+
+
+def _train_all(config, todo, results, git_commit) -> bool:
+  """Trains the runs `todo` [(arm, seed, path)], publishing each as it finishes,
+  side by side as config.ablation.parallel / cpus_per_run say
+  (fp4jax.experiments.parallel); False when a signal or a run's own stop
+  interrupted them (a checkpoint saved: the same command resumes)."""
+  ab = config.ablation
+  run_slots = parallel.slots(ab.parallel, ab.cpus_per_run)
+  if run_slots == [None]:
+    _use_compilation_cache(config)
+    for arm, seed, path in todo:
+      summary = _train(config, arm, seed, path)
+      if summary["status"] == "interrupted":
+        print(f"ablation: interrupted ({summary['message']}; a checkpoint was saved); "
+              "run the same command again to resume", flush=True)
+        return False
+      _publish(results, git_commit, arm, seed, path)
+    return True
+  print(f"ablation: {len(todo)} runs, {len(run_slots)} at a time, each in its own process "
+        f"on {ab.cpus_per_run} core(s) ({', '.join(map(str, run_slots))})", flush=True)
+  failed, stopped = [], []
+
+  def on_end(job, exitcode):
+    arm, seed, path = job[1:4]
+    status = _status(path)
+    if exitcode == 0 and status in committed.FINISHED:
+      _publish(results, git_commit, arm, seed, path)
+    elif status == "interrupted":
+      stopped.append(path)
+    else:
+      failed.append(f"{path} (exit code {exitcode})")
+
+  jobs = [(config, arm, seed, path, logging.get_verbosity()) for arm, seed, path in todo]
+  signal_name = parallel.run(jobs, run_slots, _train_in_child, on_end)
+  if failed:
+    raise errors.UserError(f"{len(failed)} runs failed: {', '.join(failed)}; their errors "
+                           "are printed above; the finished runs are kept")
+  if signal_name or stopped:
+    print(f"ablation: interrupted ({signal_name or 'a run stopped'}; {len(stopped)} runs "
+          "saved a checkpoint); run the same command again to resume", flush=True)
+    return False
+  return True
+
+
+def _use_compilation_cache(config):
+  """JAX's persistent cache in ablation.compilation_cache/cpus<N>: one per core
+  count, as XLA splits a program's loops for the cores it was compiled with."""
+  if config.ablation.compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", os.path.join(
+        os.path.expanduser(config.ablation.compilation_cache),
+        f"cpus{len(os.sched_getaffinity(0))}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _train_in_child(config, arm, seed, path, verbosity):
+  """_train in a child process of parallel.run, set up as this process is."""
+  logging.set_verbosity(verbosity)
+  _use_compilation_cache(config)
+  try:
+    _train(config, arm, seed, path)
+  except errors.UserError as e:
+    sys.exit(errors.report(_PROG, e))
+
+
 def _train(config, arm, seed, path):
+  made_by = code_version.current(len(os.sched_getaffinity(0)))
+  differs = code_version.mismatch(_wall(path) or {}, made_by)
+  if differs:
+    raise errors.UserError(
+        f"the interrupted run {path} was begun with other code or cores ({differs}); a "
+        "run is made by one code version on one core count: remove the folder to "
+        "train it anew, or resume it as it was begun")
   cfg = run_config(config, arm, seed)
   callback = diagnostics_callback(config, cfg)
   print(f"ablation: training {arm.name} (seed {seed}) in {path}", flush=True)
@@ -352,7 +442,7 @@ def _train(config, arm, seed, path):
   try:
     return trainer.train(cfg, path, callbacks=[callback] if callback else [])
   finally:
-    _add_wall(path, time.time() - t0)
+    _add_wall(path, time.time() - t0, made_by)
 
 
 def _report(config, workdir, names):

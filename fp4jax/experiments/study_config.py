@@ -7,8 +7,8 @@ it, and `run_differences(run_path, cfg)` a finished run's config.json with
 the trainer config that run would get now: a run is only reused (skipped) by
 a rerun of the config it was trained with. Keys that do not change what a
 run records (where checkpoints go, the mesh, logging sinks, the compilation
-cache) are not compared, nor keys only one side has (a key added to fp4jax
-since the study ran).
+cache, how many runs go side by side) are not compared, nor keys only one
+side has (a key added to fp4jax since the study ran).
 
 `beside(folder, config)` names where a rerun with another config puts its
 runs instead (FOLDER/config-<hash of the config>/), leaving the old ones as
@@ -27,7 +27,8 @@ RECORD = "ablation_config.json"
 # Keys (and everything below them) that do not change a run's records.
 NOT_COMPARED = ("checkpoint_every", "keep_checkpoints", "async_checkpointing",
                 "mesh", "distributed", "quant.residuals", "profile",
-                "peak_tflops", "wandb", "ablation.compilation_cache")
+                "peak_tflops", "wandb", "ablation.compilation_cache",
+                "ablation.parallel")
 
 
 def _plain(config):
