@@ -1,4 +1,5 @@
-"""MLPerf Llama 3.1-8B pretraining on C4 (the paper's setting, research.md).
+"""MLPerf Llama 3.1-8B pretraining on C4 (the setting of arXiv 2605.09825;
+docs/ablation.md, "What the paper did and claimed").
 
   python train.py --config=configs/llama3_8b_c4.py --workdir=runs/llama8b \\
       --config.data.path='/data/c4/en/c4-train.*-of-01024.json.gz' \\
@@ -26,7 +27,7 @@ with a clear message until they point at real files.
 micro_batch is global (sequences per accumulation step over all devices):
 MLPerf's micro-batch of 2 per device on 8 devices is micro_batch=16, i.e. two
 accumulation steps per global batch of 32. Set 2 x (data x fsdp devices).
-Not given by research.md and chosen here: steps (the cosine horizon),
+Not given by the paper and chosen here: steps (the cosine horizon),
 eval_every, the validation size (eval_batches x eval_batch_size sequences).
 """
 

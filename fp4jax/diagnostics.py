@@ -35,15 +35,14 @@ compared with the exact float32 GEMM:
 
 Chmiel et al. ("FP4 All the Way", arXiv 2505.19115) write in their abstract
 that quantized training becomes less effective "when the gradient norm falls
-below approximately sqrt(3) times the quantization noise". Only the abstract
-was available to us; we could not read their derivation, so whether their
-gradient is the expected (full-data) gradient or a minibatch gradient is not
-confirmed from the paper. `snr_true` takes the expected gradient, the signal
+below approximately sqrt(3) times the quantization noise"; the abstract does
+not say whether that gradient is the expected (full-data) one or a
+minibatch's. `snr_true` takes the expected gradient, the signal
 that quantization noise can drown; the batch `snr` above cannot make that
 comparison, because its numerator carries the batch's own sampling noise,
 incoherent over tokens like the quantization error.
 
-The paper (research.md) claims deterministic rotations help because their
+The paper (arXiv 2605.09825; docs/ablation.md) claims deterministic rotations help because their
 Wgrad error is the same every step while random methods' errors accumulate;
 bias and step_cos of the wgrad error measure exactly that. They are computed
 on the training batch (wgrad only: its error lives in weight space, the same

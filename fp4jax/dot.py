@@ -1,62 +1,42 @@
 """The quantized dot_general: a drop-in for jax.lax.dot_general.
 
 `dot_general(recipe)` returns a function with lax.dot_general's signature plus
-`key` and `layer_key`. Forward and backward are a jax.custom_vjp whose residuals are the two
-original (high-precision) operands (with Recipe.residuals="quantized": the
-Wgrad lhs already flattened, rotated and quantized, packed by
-fp4jax.residuals, in place of the lhs); each of the three GEMMs (recipes.py)
-rotates and quantizes its operands along *its own* contraction axes and
-multiplies them with float32 accumulation, through a backend
-(fp4jax.backends: `xla` fake-quantizes and runs the GEMM in
-`recipe.compute_dtype`, `pallas` fuses rotation and quantization in kernels,
-`native` runs one block-scaled GEMM on the real FP4/FP8 arrays; a GEMM the
-chosen backend cannot take runs on `xla`). Float32 per-tensor factors (NVFP4
-global scale, the 4/3 of stochastic_dither) are applied to the float32
-output, as hardware does in its epilogue; per-tensor FP8 operands carry their
-scale in their values, in the input's dtype (a bf16 model's FP8 GEMMs run in
-bf16 with float32 accumulation).
+`key` and `layer_key`. Forward and backward are a jax.custom_vjp whose
+residuals are the two original (high-precision) operands (with
+Recipe.residuals="quantized": the Wgrad lhs already flattened, rotated and
+quantized, packed by fp4jax.residuals, in its place). Each of the three GEMMs
+(recipes.py) rotates and quantizes its operands along *its own* contraction
+axes and multiplies them with float32 accumulation through a backend
+(fp4jax.backends; a GEMM the chosen backend cannot take runs on `xla`).
+Float32 per-tensor factors (NVFP4's global scale, stochastic_dither's 4/3)
+multiply the float32 output, as a hardware epilogue does; per-tensor FP8
+operands carry their scale in their values, in the input's dtype.
 
-Several contraction axes (DenseGeneral, Wgrad over batch x sequence) are
-blocked as one axis: the contraction axes, in dot_general order, flattened
-into one. Both operands of a GEMM flatten in the same order, so blocks and
-rotations line up element for element. Layout: a GEMM's lhs is rotated and
-quantized as [other axes..., contraction] (XLA:CPU runs a bf16 GEMM whose
-lhs contracts a leading axis in float32, 5x slower), its rhs in place. For
-Dense layers that is a free reshape everywhere except the Wgrad lhs, where
-X[M, K] is transposed once to [K, M]. The layout decides which random bits an
-element gets under stochastic rounding, nothing else (up to the float32
-round-off of the rotation). A rotated axis whose length is not a multiple of
-the Hadamard block is zero-padded (both operands alike: the product is
-unchanged); quantization blocks that do not divide the axis are padded
-with zeros (inside `fake_quantize`, or before `quantize` for `native`).
+Layout: the contraction axes, in dot_general order, are flattened into one
+blocked axis, alike in both operands; a GEMM's lhs is rotated and quantized
+as [other axes..., contraction], its rhs in place (for a Dense layer a free
+reshape except the Wgrad lhs, transposed once). A rotated axis the Hadamard
+block does not divide is zero-padded in both operands; so are quantization
+blocks that do not divide an axis.
 
 Randomness: role r in (fprop, dgrad, wgrad) uses fold_in(key, r); within it
-operand i in (lhs, rhs) quantizes with fold_in(role_key, i) and per-step
+operand i in (lhs, rhs) quantizes with fold_in(role_key, i), and per-step
 Hadamard signs come from fold_in(role_key, 2), shared by both operands.
-Per-layer signs of role r come from fold_in(layer_key, r): `layer_key` is the
-layer's own key, the same on every step (fp4jax.flax.DotGeneral draws it from
-the "hadamard" rng stream).
+Per-layer signs of role r come from fold_in(layer_key, r), the layer's own
+key, the same on every step (fp4jax.flax.DotGeneral draws it from the
+"hadamard" rng stream).
 
-Plain GEMMs (a role that neither quantizes nor rotates, and all three of a
-recipe such as "bf16") follow Recipe.plain_route. "lax" (the default):
-lax.dot_general with the caller's arguments, so the "bf16" recipe is bitwise
-an unquantized model, gradients included. "float32_output": each forward and
-backward GEMM is a float32-output lax.dot_general rounded once to the output
-dtype (in the custom_vjp), the route every quantized GEMM takes. For bf16
-operands and output that is lax.dot_general's own arithmetic (exact products,
-float32 sums, one rounding) in another summation order, so outputs differ
-only where the float32 sum lies within an ulp of a rounding tie. It exists
-for the CPU: XLA:CPU runs a bf16 x bf16 -> float32 dot as a bf16 GEMM, but
-jax 0.10.2 runs a bf16 -> bf16 dot as a float32 GEMM, and autodiff's backward
-of one (jax 0.10.2 and 0.12) is slower still, so on a CPU with bf16
-instructions a plain bf16 step takes another, slower route than the
-quantized ones (docs/performance.md).
+Plain GEMMs (a role that neither quantizes nor rotates; every GEMM of "bf16")
+follow Recipe.plain_route: "lax" calls lax.dot_general with the caller's
+arguments (bitwise an unquantized model, gradients included);
+"float32_output" runs each forward and backward GEMM as a float32-output
+lax.dot_general rounded once, the route every quantized GEMM takes (why and
+how fast: docs/recipes.md, "Layout, padding, randomness" and the top).
 
-Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe, switch_wgrad_to=gemm)`
-takes a runtime boolean `wgrad_switched`; where it is true the backward
-computes Wgrad with `gemm` (FP8 or unquantized) instead of the recipe's, one
-lax.cond that runs only the chosen GEMM (both are compiled). Without the flag
-nothing changes.
+Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe,
+switch_wgrad_to=gemm)` takes a runtime boolean `wgrad_switched`; where it is
+true the backward computes Wgrad with `gemm` (one lax.cond: only the chosen
+GEMM runs).
 """
 
 import dataclasses
@@ -151,13 +131,12 @@ def _quantized(backend, x, axes, last, spec, rotation, signs, key, compute_dtype
   """x flattened along `axes` (_flatten) and quantized by `backend`:
   (operand, axis, where) with _flatten's axis and where.
 
-  A per-tensor, deterministic, unrotated operand (FP8) on the xla backend is
-  quantized before its layout changes: one scale for the whole tensor gives
-  the same values in any layout, and XLA then merges the quantizations of an
-  array that several GEMMs read (dY in Dgrad and Wgrad; X in Fprop and Wgrad,
-  W in Fprop and Dgrad, where forward and backward are one computation).
+  A per-tensor, deterministic, unrotated operand (FP8) is quantized before its
+  layout changes on a backend that declares QUANTIZES_WHOLE_TENSOR_FIRST
+  (fp4jax.backends): dY is read by Dgrad and Wgrad, X by Fprop and Wgrad, W
+  by Fprop and Dgrad, and forward and backward are one computation.
   """
-  if (backend is backends.module("xla") and spec is not None and spec.block is None
+  if (backend.QUANTIZES_WHOLE_TENSOR_FIRST and spec is not None and spec.block is None
       and not spec.is_random and rotation is None and x.ndim):
     op = backend.quantize(x, spec, None, None, x.ndim - 1, key, compute_dtype)
     values, axis, where = _flatten(op.values, axes, last)
@@ -275,6 +254,12 @@ def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
 _qdot.defvjp(_fwd, _bwd)
 
 
+def check(recipe: Recipe):
+  """Raises ValueError (one line) when the installed jax cannot run the recipe's
+  backend or native route (fp4jax.backends.check_recipe); dot_general asks it."""
+  backends.check_recipe(recipe)
+
+
 def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   """The recipe's quantized drop-in for jax.lax.dot_general.
 
@@ -301,6 +286,7 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
   if switch_wgrad_to is not None and recipe.residuals == "quantized":
     raise ValueError(f"recipe {recipe.name!r} saves quantized residuals (the Wgrad lhs in "
                      "its FP4 form); switch_wgrad_to needs residuals='original'")
+  check(recipe)
   if recipe.is_plain:
     return functools.partial(_plain, recipe)
 

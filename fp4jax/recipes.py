@@ -44,14 +44,16 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from fp4jax import backends
 from fp4jax.numerics.formats import QuantSpec
 from fp4jax.numerics.hadamard import check_sign_policy
 
 ROLES = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
-BACKENDS = backends.NAMES + ("auto",)
+# Names only: fp4jax.backends owns the backends and checks a recipe's choice
+# against the installed jax where it is used (backends.check_recipe).
+BACKENDS = ("xla", "pallas", "native", "auto")
+NATIVE_ROUTES = ("auto", "scaled_matmul", "scaled_dot")
 RESIDUALS = ("original", "quantized")
 PLAIN_ROUTES = ("lax", "float32_output")
 
@@ -147,10 +149,10 @@ class Recipe:
       raise ValueError(f"residuals {self.residuals!r} not in {RESIDUALS}")
     if self.plain_route not in PLAIN_ROUTES:
       raise ValueError(f"plain_route {self.plain_route!r} not in {PLAIN_ROUTES}")
+    if self.native_route not in NATIVE_ROUTES:
+      raise ValueError(f"native_route {self.native_route!r} not in {NATIVE_ROUTES}")
     if self.residuals == "quantized":
       self._check_quantized_residuals()
-    backends.check_jax(self.backend)
-    backends.check_native_route(self.native_route)
 
   def _check_quantized_residuals(self):
     """ValueError when residuals="quantized" cannot give the default's gradients."""

@@ -70,14 +70,22 @@ def test_auto_picks_by_device_and_jax(monkeypatch, caplog, platform, capability,
   assert backends.resolve("auto") == "xla"  # the real CPU again
 
 
+def test_recipes_name_every_backend_and_route_and_each_backend_declares_its_layout_rule():
+  assert set(recipes.BACKENDS) == set(backends.NAMES) | {"auto"}
+  assert tuple(recipes.NATIVE_ROUTES) == tuple(backends.NATIVE_ROUTES)
+  assert {name: backends.module(name).QUANTIZES_WHOLE_TENSOR_FIRST
+          for name in backends.NAMES} == {"xla": True, "pallas": False, "native": False}
+
+
 def test_native_is_refused_on_old_jax(monkeypatch):
   monkeypatch.setattr(backends, "jax_version", lambda: (0, 10, 2))
+  native = dataclasses.replace(recipes.recipe("mxfp4"), backend="native")  # a value: fine
   with pytest.raises(ValueError, match=r"backend 'native' needs jax >= 0.11 .*installed: jax"):
-    dataclasses.replace(recipes.recipe("mxfp4"), backend="native")
+    dot.dot_general(native)  # where the recipe meets the backend
   if not NEW_JAX:  # the installed jax itself
     monkeypatch.undo()
     with pytest.raises(ValueError, match="needs jax >= 0.11"):
-      Recipe("x", backend="native")
+      dot.dot_general(Recipe("x", backend="native"))
 
 
 def test_what_native_takes_and_the_logged_fallback(caplog):
@@ -128,7 +136,7 @@ def test_native_route_is_a_recipe_and_config_key(monkeypatch):
   monkeypatch.delattr(jax.lax, "scaled_dot")
   with pytest.raises(ValueError, match=r"'scaled_dot' needs jax.lax.scaled_dot, which the "
                      r"installed jax \S+ lacks"):
-    Recipe("x", native_route="scaled_dot")
+    backends.check_recipe(Recipe("x", native_route="scaled_dot"))
   assert Recipe("x", native_route="auto").native_route == "auto"
 
 

@@ -4,7 +4,7 @@ Every `import` statement counts, at module level or inside a function. The
 graph has no cycle; the numerics, backends and kernels never import the
 model, data or trainer (nor the other way round: those go through recipes,
 dot and flax); numerics/ imports only itself, jax, numpy and the standard
-library; dot.py and diagnostics.py take no helpers from backends/xla.py;
+library; recipes.py imports only the numerics; dot.py and diagnostics.py take no helpers from backends/xla.py;
 residuals.py does not import the kernels.
 """
 
@@ -133,6 +133,14 @@ def test_numerics_imports_only_numerics_jax_and_numpy():
       if not (_under(name, "fp4jax.numerics") or top in allowed
               or top in sys.stdlib_module_names):
         bad.append(_where(module, line, name))
+  assert not bad, bad
+
+
+def test_recipes_are_values_of_the_numerics_alone():
+  """recipes.py imports no other fp4jax module than the numerics: a recipe is a
+  value; the installed jax and the backends judge it where it is used."""
+  bad = [_where(*e) for e in EDGES
+         if e[0] == "fp4jax.recipes" and not _under(e[2], "fp4jax.numerics")]
   assert not bad, bad
 
 

@@ -1,7 +1,7 @@
 """Golden E8M0 codes of the four scale rules on hand-picked block maxima.
 
 Codes are biased exponents (0x7F = 2^0, 0xFF = NaN), worked out by hand from
-the definitions in research.md.
+the definitions in docs/numerics.md ("Scale rules").
 """
 
 import functools

@@ -21,6 +21,14 @@ fp4jax.dot calls, per quantized GEMM, one backend module through four functions:
       stochastic_dither's 4/3) applied to the float32 output. route: the
       recipe's native_route (NATIVE_ROUTES; only `native` reads it).
 
+and one declaration:
+
+  QUANTIZES_WHOLE_TENSOR_FIRST: bool
+      True when a per-tensor, deterministic, unrotated operand (FP8) is to be
+      quantized before its layout changes: one scale for the whole tensor
+      gives the same values in any layout, and XLA then merges the
+      quantizations of an array that several GEMMs read (fp4jax.dot).
+
 Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
 dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the
 xla GEMM) and `native` (real FP4/FP8 element and E8M0/E4M3 scale arrays into
@@ -29,7 +37,8 @@ needs jax >= 0.11). A new backend
 is one module here plus its name in NAMES.
 
 `resolve(name)` turns "auto" into a backend name for the default device;
-`for_gemm(name, gemm)` returns the module that runs a GEMM.
+`for_gemm(name, gemm)` returns the module that runs a GEMM; `check_recipe`
+refuses a recipe the installed jax cannot run.
 """
 
 import functools
@@ -62,14 +71,19 @@ def check_jax(name: str):
 
 
 def check_native_route(route: str):
-  """Raises ValueError (one line) for an unknown native route or one the installed
-  jax lacks the op of."""
-  if route not in NATIVE_ROUTES:
-    raise ValueError(f"native_route {route!r} not in {tuple(NATIVE_ROUTES)}")
+  """Raises ValueError (one line) for a native route whose op the installed jax lacks."""
   op = NATIVE_ROUTES[route]
   if op is not None and not hasattr(getattr(jax, op[0]), op[1]):
     raise ValueError(f"native_route {route!r} needs jax.{op[0]}.{op[1]}, which the "
                      f"installed jax {jax.__version__} lacks")
+
+
+def check_recipe(recipe):
+  """Raises ValueError (one line) when the installed jax cannot run the recipe's
+  backend or native route: where a recipe meets a backend (fp4jax.dot_general,
+  the trainer's start-up)."""
+  check_jax(recipe.backend)
+  check_native_route(recipe.native_route)
 
 
 def module(name: str):

@@ -9,9 +9,8 @@ the GEMM runs in) and multiplied by one block-scaled op that accumulates in
 float32; the float32 per-tensor factors (NVFP4's global scales,
 stochastic_dither's 4/3) are applied to the float32 output, as the hardware's
 epilogue does. MXFP6 elements travel in float8_e4m3fn, which holds every E2M3
-and E3M2 value exactly (jax 0.12's CPU lowering cannot convert float6 arrays),
-so on a GPU they run as an MXFP8 E4M3 GEMM with the same value. Needs jax >=
-0.11 (fp4jax.backends.MIN_JAX). `precision` is not used.
+and E3M2 value exactly (a GPU runs them as MXFP8 E4M3 with the same values).
+Needs jax >= 0.11 (fp4jax.backends.MIN_JAX). `precision` is not used.
 
 Takes every GEMM whose two operands are MX or NVFP4 with the same block size.
 Per-tensor FP8 (a float32 scale, no block scales) and unquantized operands are
@@ -34,24 +33,7 @@ that XLA's GPU compiler maps to block-scaled hardware:
 The platform needs no rule of its own: on ROCm both routes are the same
 composite, and on the CPU both decompose into convert, multiply and a dot.
 
-What is checked, and how:
-- by tests on the CPU (tests/test_backends.py): the route per format and the
-  forced routes, the barrier in the jaxpr, and `native` == `xla` bit for bit
-  for every FP4 preset on its route, and for mxfp4-dh16 and nvfp4 on the other
-  (every E2M1 x E2M1 product times two block scales, and every partial sum
-  there, is exact in float32); tests/test_scaled_matmul.py checks the MXFP4
-  fprop against jax.nn.scaled_dot_general's;
-- by tests that lower for CUDA and ROCm without a device
-  (tests/test_native_lowering.py): each preset's three GEMMs reach the
-  block-scaled custom call (MXFP8, NVFP4) or the `xla.scaled_dot` composite
-  (MXFP4) with FP4/FP8 operand types, and no dot outside the composite's own
-  decomposition takes a dequantized operand. This is StableHLO before XLA's
-  passes: it shows what XLA is handed, not what it makes of it;
-- by XLA's GPU compiler without a device (tests/test_gpu_compile.py, for H200
-  and B200): MXFP4's three GEMMs stay Triton scaled-dot fusions on FP4
-  operands, whose B200 kernels run block-scaled tcgen05 MMAs; what cuDNN
-  makes of scaled_matmul needs the driver (docs/performance.md);
-- only by a device run (benchmarks/gpu_check.sh): how fast they run.
+What is checked, and how: docs/performance.md, "Bit status of `native`".
 
 `unsupported_device()` says why a device has no block-scaled matrix units
 (what backend "auto" asks before it picks this backend).
@@ -69,6 +51,8 @@ from fp4jax.numerics import operand
 from fp4jax.backends import apply_factors
 
 MIN_CAPABILITY = (10, 0)
+# fp4jax.backends: every operand is quantized in the GEMM's layout (real arrays).
+QUANTIZES_WHOLE_TENSOR_FIRST = False
 
 
 def route_for(lhs, rhs, route="auto"):

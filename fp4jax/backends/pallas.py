@@ -14,6 +14,7 @@ from fp4jax.numerics import operand
 from_qarray = xla.from_qarray
 matmul = xla.matmul
 unsupported = xla.unsupported
+QUANTIZES_WHOLE_TENSOR_FIRST = False  # its quantize is the kernel's, on the laid-out operand
 
 
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):

@@ -26,6 +26,9 @@ from fp4jax.numerics import formats
 from fp4jax.numerics.operand import rotate_padded
 from fp4jax.backends import apply_factors, fence_dot_output
 
+# fp4jax.backends: FP8 per-tensor operands are quantized before their layout changes.
+QUANTIZES_WHOLE_TENSOR_FIRST = True
+
 
 class Operand(NamedTuple):
   """values: the rotated, block-dequantized operand (compute dtype, or float32);

@@ -32,7 +32,8 @@ from fp4jax.experiments import tokens_to_target as ttt
 from fp4jax.experiments import verdicts
 from fp4jax.train.metrics_log import read_metrics
 
-# Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (research.md).
+# Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (arXiv 2605.09825;
+# docs/ablation.md, "What the paper did and claimed").
 PAPER = {
     "bf16": "-", "fp8": "baseline", "mxfp4-fprop": "8-9% (?)",
     "mxfp4-fprop-dgrad": "10-11%", "mxfp4": "26-27%", "mxfp4-sr": "diverges",

@@ -34,9 +34,8 @@ contraction: head_dim for QK^T, the key positions for PV). Caution: that mode
 is not strictly causal. PV's blocks (and Hadamard rotations) run along the
 key axis, so V's shared block scale at position j depends on later positions
 of the same 32-token block, and a future token can change earlier logits
-(measured on the tiny model with mxfp4-dh16: changing token 63 moved the
-logits of positions 32-62 by up to 0.76). Use it for numerics studies, not to
-train models meant to be causal. The default (linears only) is strictly
+(docs/training.md). Use it for numerics studies, not to train models meant
+to be causal. The default (linears only) is strictly
 causal: linears quantize along features, never across tokens, in the forward.
 """
 

@@ -2,7 +2,7 @@
 
 With amax = (1 + f) * 2^e (f the 23-bit fraction, FP32 subnormals normalised
 first) and the element's largest binade emax and largest value
-max = (1 + f_max) * 2^emax, the four rules of research.md are, exactly:
+max = (1 + f_max) * 2^emax, the four rules (sources: docs/numerics.md, "Scale rules") are, exactly:
 
   floor  2^(floor(log2 amax) - emax)         = e - emax
   ceil   2^(ceil(log2 amax) - emax)          = e + (f > 0) - emax

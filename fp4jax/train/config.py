@@ -55,6 +55,7 @@ from fp4jax.train import adaptive
 from fp4jax.train import profile
 from fp4jax.train import wandb_log
 from fp4jax.data import pipeline
+from fp4jax import dot
 from fp4jax import errors
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes
@@ -168,6 +169,7 @@ def resolve_recipe(quant, dtype):
   recipe = recipes.from_config(quant)
   if quant.compute_dtype is None:
     recipe = dataclasses.replace(recipe, compute_dtype=dtype)
+  dot.check(recipe)
   return recipe
 
 
