@@ -14,7 +14,7 @@ The file (JSON, committed with the study, e.g. results/<study>/DECLARATION.json)
    "alpha": 0.05, "correction": "holm", "power": 0.8,
    "claims": [{"text": "...", "contrasts": [
        {"label": "mxfp4-sr - mxfp4", "weights": {"mxfp4-sr": 1, "mxfp4": -1},
-        "direction": ">"}]}]}       ">", "<" or "!=" (fp4jax.experiments.inference)
+        "direction": ">"}]}]}       ">", "<" or "!=" (fp4jax.experiments.hypothesis_tests)
 
 A claim holds when all its contrasts do; its p-value is the largest of its
 contrasts' (intersection-union), and Holm runs over the claims.
@@ -35,7 +35,7 @@ import os
 
 from fp4jax import errors
 from fp4jax import records
-from fp4jax.experiments import inference
+from fp4jax.experiments import hypothesis_tests
 
 RECORD = "declaration_record.json"
 PRIMARY = ("late_mean", "final")
@@ -95,9 +95,9 @@ def load(path) -> Declaration:
     contrasts = []
     for j, k in enumerate(c["contrasts"]):
       records.check(Contrast, k, f"{path}: claims[{i}].contrasts[{j}]")
-      _need(k.get("direction") in inference.DIRECTIONS, path,
+      _need(k.get("direction") in hypothesis_tests.DIRECTIONS, path,
             f"contrast {k.get('label')!r}: direction {k.get('direction')!r} is not one of "
-            f"{', '.join(inference.DIRECTIONS)}")
+            f"{', '.join(hypothesis_tests.DIRECTIONS)}")
       contrasts.append(Contrast(k["label"], dict(k["weights"]), k["direction"]))
     claims.append(Claim(c["text"], tuple(contrasts)))
   return Declaration(raw["study"], raw["baseline"], raw["primary"], float(raw["late_from"]),

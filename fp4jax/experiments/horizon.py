@@ -38,7 +38,7 @@ from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
-from fp4jax.experiments import inference
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import plots
 from fp4jax.experiments import report
 from fp4jax.experiments import verdicts
@@ -56,7 +56,7 @@ def growth(steps_T, loss_T, lo, hi):
   keep = steps_T <= hi
   if not keep.any() or steps_T[keep][-1] <= 0:
     return math.nan
-  return inference.log_slope(steps_T[keep], loss_T[keep], lo / steps_T[keep][-1])
+  return hypothesis_tests.log_slope(steps_T[keep], loss_T[keep], lo / steps_T[keep][-1])
 
 
 def _diag_points(runs, role, stats_, source="train"):

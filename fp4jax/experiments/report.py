@@ -25,7 +25,7 @@ from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
-from fp4jax.experiments import inference
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import plots
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
@@ -422,10 +422,10 @@ def instruments_section(runs):
 def smallest_effect(runs, decl):
   """(the baseline's late slope dL/d ln(tokens), mean over its seeds; the
   declaration's smallest effect of interest in nats through it)."""
-  slopes = [s for s in (inference.log_slope(r.tokens_T, r.loss_T, decl.late_from)
+  slopes = [s for s in (hypothesis_tests.log_slope(r.tokens_T, r.loss_T, decl.late_from)
                         for r in runs.get(decl.baseline) or []) if math.isfinite(s)]
   slope = float(np.mean(slopes)) if slopes else math.nan
-  return slope, inference.effect_nats(slope, decl.smallest_effect_tokens)
+  return slope, hypothesis_tests.effect_nats(slope, decl.smallest_effect_tokens)
 
 
 def verdict_section(runs, decl, workdir):

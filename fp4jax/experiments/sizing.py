@@ -23,7 +23,7 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from fp4jax.experiments import inference, report, stats
+from fp4jax.experiments import hypothesis_tests, report, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +43,9 @@ def per_seed(runs, plus, minus, late_from=0.5) -> list:
 
 
 def seeds_needed(sd, smallest, alpha, power=0.8, max_seeds=40):
-  """Fewest n (2..max_seeds) with inference.mde(sd, n, alpha, power) <= smallest, or None."""
+  """Fewest n (2..max_seeds) with hypothesis_tests.mde(sd, n, alpha, power) <= smallest, or None."""
   for n in range(2, max_seeds + 1):
-    if inference.mde(sd, n, alpha, power) <= smallest:
+    if hypothesis_tests.mde(sd, n, alpha, power) <= smallest:
       return n
   return None
 
@@ -64,7 +64,7 @@ def size(runs, contrasts, baseline, claims, alpha=0.05, power=0.8, late_from=0.5
     out["contrasts"][label] = {
         "per_seed": values, "sd": sd,
         "seeds_needed": seeds_needed(sd, smallest, level, power, max_seeds),
-        "mde_by_seeds": {n: inference.mde(sd, n, level, power) for n in range(3, max_seeds + 1)}}
+        "mde_by_seeds": {n: hypothesis_tests.mde(sd, n, level, power) for n in range(3, max_seeds + 1)}}
   out["wall_s_per_run"] = {arm: float(np.median([r.wall_s for r in rs if r.wall_s]))
                            for arm, rs in runs.items()}
   return out

@@ -5,7 +5,7 @@ declaration's primary statistic of each run), smallest the smallest effect of
 interest in nats. Per contrast: its per-seed values, the t-test and exact
 sign-flip p-values; per claim: p = the largest of its contrasts' t p-values,
 Holm over the claims, and each contrast's t-interval at the level Holm gives
-its claim (`inference.holm_levels`), judged by `inference.decide`, with the
+its claim (`hypothesis_tests.holm_levels`), judged by `hypothesis_tests.decide`, with the
 minimum detectable effect at the declared power and that level.
 `lines(results, smallest)`: one markdown line per claim.
 """
@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from fp4jax.experiments import inference
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import stats
 
 
@@ -50,10 +50,10 @@ def evaluate(decl, primary, smallest) -> list[ClaimResult]:
   """ClaimResults in the declaration's order (see the module docstring)."""
   values = [[stats.contrast_values(c, primary) for c in claim.contrasts] for claim in decl.claims]
   ran = [all(len(v) > 0 for v in vs) for vs in values]
-  claim_p = [max(inference.t_p_value(v) for v in vs) if ok else math.nan
+  claim_p = [max(hypothesis_tests.t_p_value(v) for v in vs) if ok else math.nan
              for vs, ok in zip(values, ran)]
-  p_holm = inference.holm(claim_p)
-  levels = inference.holm_levels(claim_p, decl.alpha)
+  p_holm = hypothesis_tests.holm(claim_p)
+  levels = hypothesis_tests.holm_levels(claim_p, decl.alpha)
   out = []
   for claim, vs, ok, p, ph, level in zip(decl.claims, values, ran, claim_p, p_holm, levels):
     if not ok:
@@ -66,10 +66,10 @@ def evaluate(decl, primary, smallest) -> list[ClaimResult]:
           finite)
       sd = float(np.std(finite, ddof=1)) if len(finite) > 1 else math.nan
       results.append(ContrastResult(
-          contrast.label, contrast.direction, interval, inference.t_p_value(finite),
-          inference.sign_flip_p(finite), inference.mde(sd, len(finite), 1 - level, decl.power)
+          contrast.label, contrast.direction, interval, hypothesis_tests.t_p_value(finite),
+          hypothesis_tests.sign_flip_p(finite), hypothesis_tests.mde(sd, len(finite), 1 - level, decl.power)
           if math.isfinite(level) else math.nan,
-          inference.decide(interval.lo, interval.hi, contrast.direction, smallest)))
+          hypothesis_tests.decide(interval.lo, interval.hi, contrast.direction, smallest)))
     out.append(ClaimResult(claim.text, tuple(results), p, ph, level,
                            _claim_verdict([r.verdict for r in results])))
   return out

@@ -9,47 +9,47 @@ from scipy import stats as scipy_stats
 
 from fp4jax import errors
 from fp4jax.experiments import declaration
-from fp4jax.experiments import inference
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import verdicts
 
 
 def test_holm_adjusts_by_rank_and_keeps_order():
   # sorted: 0.005 x4 = 0.02, 0.01 x3 = 0.03, 0.03 x2 = 0.06, 0.04 x1 = 0.04 -> max so far 0.06
-  assert inference.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-  got = inference.holm([0.5, math.nan, 0.2])  # nan is not a hypothesis: m = 2
+  assert hypothesis_tests.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  got = hypothesis_tests.holm([0.5, math.nan, 0.2])  # nan is not a hypothesis: m = 2
   assert got[0] == pytest.approx(0.5) and math.isnan(got[1]) and got[2] == pytest.approx(0.4)
 
 
 def test_holm_levels_agree_with_holm_decisions():
   # 0.005 <= 0.05/4 and 0.01 <= 0.05/3 are rejected; 0.03 > 0.05/2 stops: the rest at 0.975.
-  levels = inference.holm_levels([0.01, 0.04, 0.03, 0.005])
+  levels = hypothesis_tests.holm_levels([0.01, 0.04, 0.03, 0.005])
   assert levels == pytest.approx([1 - 0.05 / 3, 0.975, 0.975, 1 - 0.05 / 4])
   rng = np.random.default_rng(0)
   for _ in range(200):  # a t-interval at its Holm level excludes 0 iff Holm rejects
     samples = [rng.normal(rng.choice([0.0, 1.0]), 1.0, 6) for _ in range(5)]
-    p = [inference.t_p_value(s) for s in samples]
-    for s, adj, level in zip(samples, inference.holm(p), inference.holm_levels(p)):
+    p = [hypothesis_tests.t_p_value(s) for s in samples]
+    for s, adj, level in zip(samples, hypothesis_tests.holm(p), hypothesis_tests.holm_levels(p)):
       half = scipy_stats.t.ppf(0.5 + level / 2, 5) * s.std(ddof=1) / math.sqrt(6)
       assert (abs(s.mean()) > half) == (adj <= 0.05)
 
 
 def test_sign_flip_p_counts_patterns():
-  assert inference.sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 32)  # the floor
+  assert hypothesis_tests.sign_flip_p([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 32)  # the floor
   # sums of +-3 +-1 +-2: 6 4 2 0 0 -2 -4 -6; |sum| >= 4 in 4 of 8
-  assert inference.sign_flip_p([3.0, -1.0, 2.0]) == pytest.approx(0.5)
-  assert inference.sign_flip_p([1.0, -1.0]) == 1.0
+  assert hypothesis_tests.sign_flip_p([3.0, -1.0, 2.0]) == pytest.approx(0.5)
+  assert hypothesis_tests.sign_flip_p([1.0, -1.0]) == 1.0
   with pytest.raises(ValueError, match="2\\^n"):
-    inference.sign_flip_p(np.ones(21))
+    hypothesis_tests.sign_flip_p(np.ones(21))
 
 
 def test_t_p_value_matches_scipy():
   v = [0.3, -0.1, 0.5, 0.2, 0.4]
-  assert inference.t_p_value(v) == pytest.approx(scipy_stats.ttest_1samp(v, 0.0).pvalue)
+  assert hypothesis_tests.t_p_value(v) == pytest.approx(scipy_stats.ttest_1samp(v, 0.0).pvalue)
 
 
 def test_mde_has_its_power_in_a_simulation():
   n, sd, alpha = 5, 1.0, 0.05
-  d = inference.mde(sd, n, alpha)
+  d = hypothesis_tests.mde(sd, n, alpha)
   # The normal-quantile shortcut (z_{1-a/2} + z_{0.8}) sd / sqrt(n) = 1.25 is too optimistic at n = 5.
   assert d > 1.3
   rng = np.random.default_rng(1)
@@ -57,16 +57,16 @@ def test_mde_has_its_power_in_a_simulation():
   t = x.mean(1) / (x.std(1, ddof=1) / math.sqrt(n))
   hit = np.mean(np.abs(t) > scipy_stats.t.ppf(1 - alpha / 2, n - 1))
   assert hit == pytest.approx(0.8, abs=0.01)  # SE of the share: 0.002
-  assert inference.mde(2 * sd, n, alpha) == pytest.approx(2 * d)
-  assert math.isnan(inference.mde(sd, 1)) and math.isnan(inference.mde(0.0, 5))
+  assert hypothesis_tests.mde(2 * sd, n, alpha) == pytest.approx(2 * d)
+  assert math.isnan(hypothesis_tests.mde(sd, 1)) and math.isnan(hypothesis_tests.mde(0.0, 5))
 
 
 def test_smallest_effect_through_the_log_slope():
   tokens = np.arange(0, 7) * 50_000.0
   loss = 5.0 - 0.33 * np.log(np.maximum(tokens, 1.0))
   loss[1] += 1.0  # early points do not count (late_from 0.5: tokens >= 150k)
-  assert inference.log_slope(tokens, loss) == pytest.approx(-0.33)
-  assert inference.effect_nats(-0.33, 0.05) == pytest.approx(0.33 * math.log(1.05))
+  assert hypothesis_tests.log_slope(tokens, loss) == pytest.approx(-0.33)
+  assert hypothesis_tests.effect_nats(-0.33, 0.05) == pytest.approx(0.33 * math.log(1.05))
 
 
 @pytest.mark.parametrize("lo,hi,direction,want", [
@@ -76,7 +76,7 @@ def test_smallest_effect_through_the_log_slope():
     (-0.015, 0.015, "!=", "contradicted"), (-0.02, 0.01, "!=", "inconclusive"),
     (math.nan, math.nan, ">", "inconclusive")])
 def test_decide(lo, hi, direction, want):
-  assert inference.decide(lo, hi, direction, smallest=0.016) == want
+  assert hypothesis_tests.decide(lo, hi, direction, smallest=0.016) == want
 
 
 def _declaration(tmp_path, claims, **over):
@@ -133,7 +133,7 @@ def test_verdicts_follow_holm_and_the_smallest_effect(tmp_path):
   decl = declaration.load(_declaration(tmp_path, [
       _claim("big hurts", {"big": 1, "base": -1}), _claim("same hurts", {"same": 1, "base": -1}),
       _claim("edge hurts", {"edge": 1, "base": -1}), _claim("gone hurts", {"gone": 1, "base": -1})]))
-  edge_p = inference.t_p_value([primary["edge"][s] - 2.0 for s in seeds])
+  edge_p = hypothesis_tests.t_p_value([primary["edge"][s] - 2.0 for s in seeds])
   assert 0.025 < edge_p < 0.05  # rank 2 of 3: Holm multiplies by 2
   results = verdicts.evaluate(decl, primary, smallest=0.016)
   assert [r.verdict for r in results] == ["supported", "contradicted", "inconclusive", "not run"]
