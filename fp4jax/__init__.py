@@ -7,6 +7,16 @@ Public names (see README.md):
     dot_general                                                       (dot)
     flax.DotGeneral                                                   (flax adapters)
 
+Modules: numerics/ (formats, scales, rounding, Hadamard), recipes, dot (the
+quantized dot_general), backends/ (xla, pallas, native) and kernels, flax
+(adapters), residuals (quantized residuals), fprop_operands (a layer's Fprop
+operands outside a forward), diagnostics (per-role error statistics),
+schedule (precision that changes during a run), sharding (mesh and axis
+rules), checkpointing (orbax), records (the JSON files read back), errors
+(one-line user errors); llama/ (the model), data/, train/ (the trainer),
+experiments/ (studies), bench/ (benchmarks), maxtext/; command lines: convert
+(export / import) and plot.
+
 Submodules are imported on first use, so `import fp4jax` stays light and the
 numerics never pull in Flax.
 """

@@ -3,4 +3,5 @@
   files       reading and checking text / JSON-lines files, one-line data errors
   tokenizers  the byte tokenizer and Hugging Face / SentencePiece ones
   pipeline    sources (stdlib, files, tfds), packed batch iterators, validation windows
+identity    what a saved data position belongs to: the files and their sizes
 """
