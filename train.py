@@ -37,7 +37,6 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from fp4jax.train import cli  # pylint: disable=g-import-not-at-top
-from fp4jax.train import config as train_config  # pylint: disable=g-import-not-at-top
 from fp4jax.train import trainer  # pylint: disable=g-import-not-at-top
 
 _DEFAULT_CONFIG = "configs/default.py"
@@ -67,7 +66,7 @@ def main(argv):
 
 if __name__ == "__main__":
   # config_flags reads sys.argv itself to find overrides, so rewrite it first.
-  sys.argv = train_config.expand_quant_flag(sys.argv)
+  sys.argv = cli.expand_quant_flag(sys.argv)
   try:
     cli.check_config_overrides(sys.argv, default=_DEFAULT_CONFIG)
   except errors.UserError as e:

@@ -21,7 +21,6 @@ host (fast links) and `data` across hosts.
 
 import contextlib
 import math
-import re
 
 import flax.linen as nn
 import jax
@@ -188,28 +187,6 @@ def activation_name(name):
   return {"embed": "activation_embed", "mlp": "activation_mlp",
           "heads": "activation_heads", "kv_heads": "activation_kv_heads",
           "vocab": "activation_vocab"}.get(name, name)
-
-
-# ---------------------------------------------------------------------------
-# What the partitioner did.
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
-_COLLECTIVE_OP = re.compile(
-    r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-
-
-def collective_counts(hlo_text: str) -> dict[str, int]:
-  """Collective ops in compiled HLO text, e.g. of
-  `jax.jit(step).lower(*args).compile().as_text()`.
-
-  Counts instructions in the program text (an async start/done pair once);
-  one inside a loop body runs once per iteration.
-  """
-  counts = dict.fromkeys(COLLECTIVES, 0)
-  for match in _COLLECTIVE_OP.finditer(hlo_text):
-    counts[match.group(1)] += 1
-  return counts
 
 
 # ---------------------------------------------------------------------------

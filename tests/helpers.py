@@ -6,6 +6,7 @@ one another.
 
 import dataclasses
 import os
+import re
 
 import jax
 import numpy as np
@@ -174,3 +175,24 @@ def binomial_two_sided_p(count, n, p):
   seen = np.take_along_axis(logpmf, np.asarray(count)[:, None], 1)
   pmf = np.exp(logpmf)
   return np.minimum(1.0, np.sum(np.where(logpmf <= seen + 1e-9, pmf, 0.0), axis=1))
+
+
+# --- what the partitioner did -------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+_COLLECTIVE_OP = re.compile(
+    r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+  """Collective ops in compiled HLO text, e.g. of
+  `jax.jit(step).lower(*args).compile().as_text()`.
+
+  Counts instructions in the program text (an async start/done pair once);
+  one inside a loop body runs once per iteration.
+  """
+  counts = dict.fromkeys(COLLECTIVES, 0)
+  for match in _COLLECTIVE_OP.finditer(hlo_text):
+    counts[match.group(1)] += 1
+  return counts

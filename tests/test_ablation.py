@@ -100,7 +100,7 @@ def test_recipe_seeds():
   config = _tiny_ablation_config()
   config.ablation.recipes, config.ablation.seeds = "bf16,fp8,mxfp4", 5
   config.ablation.recipe_seeds = " bf16:2, mxfp4:9"
-  names = ablation.recipe_list(config)
+  names = [a.name for a in ablation.arm_list(config)]
   assert ablation.seed_counts(config, names) == {"bf16": 2, "fp8": 5, "mxfp4": 5}
   config.ablation.recipe_seeds = "bf16:2,mxfp8:1"  # mxfp8 is not in this ablation
   assert ablation.seed_counts(config, names)["bf16"] == 2
@@ -114,10 +114,10 @@ def test_bad_recipe_or_missing_baseline_fails_at_start():
   config = _tiny_ablation_config()
   config.ablation.recipes = "fp8,mxfp5"
   with pytest.raises(ValueError, match="unknown recipe"):
-    ablation.recipe_list(config)
+    [a.name for a in ablation.arm_list(config)]
   config.ablation.recipes = "bf16,mxfp4"
   with pytest.raises(ValueError, match="baseline"):
-    ablation.recipe_list(config)
+    [a.name for a in ablation.arm_list(config)]
 
 
 def _fake_run(workdir, name, losses, status="completed", tokens_per_eval=100):

@@ -23,6 +23,7 @@ from fp4jax import sharding
 from fp4jax.train import config as train_config
 from fp4jax.train import trainer
 import sharded_runs
+from tests.helpers import collective_counts
 
 
 def _mesh_cfg(*sizes):
@@ -426,7 +427,7 @@ def test_collective_counts_of_a_data_parallel_and_an_fsdp_matmul():
     f = jax.jit(lambda x, w: (x @ w).sum(),
                 in_shardings=(sharding.batch_sharding(mesh),
                               sharding.logical_to_sharding(w_spec, mesh)))
-    return sharding.collective_counts(f.lower(x, w).compile().as_text())
+    return collective_counts(f.lower(x, w).compile().as_text())
 
   assert set(counts(_mesh(1, 1, 1), P()).values()) == {0}
   data = counts(_mesh(8, 1, 1), P())

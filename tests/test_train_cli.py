@@ -8,7 +8,7 @@ from absl import flags
 from ml_collections import config_flags
 import pytest
 
-from fp4jax.train.config import expand_quant_flag
+from fp4jax.train.cli import expand_quant_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

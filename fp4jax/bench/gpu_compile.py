@@ -55,7 +55,7 @@ from fp4jax.llama import model as model_lib
 from fp4jax.train import cli
 from fp4jax.train import config as train_config
 from fp4jax.train import atomic
-from fp4jax.train import trainer
+from fp4jax.train import step as train_step
 
 TARGETS = ("h200", "b200")
 TARGET_DIR = os.path.join(os.path.dirname(__file__), "gpu_targets")
@@ -238,7 +238,7 @@ def step_rows(program, mesh_devices, sass, arms=STEP_ARMS):
     tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = train_config.resolve(config, tokenizer)
     mesh = sharding.make_mesh(config.mesh, mesh_devices)
-    programs = trainer.make_programs(config, model_cfg, recipe, mesh)
+    programs = train_step.make_programs(config, model_cfg, recipe, mesh)
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
                                   sharding=sharding.batch_sharding(mesh))
     build = lambda programs=programs, tokens=tokens: programs.step.lower(programs.abstract, tokens)

@@ -91,7 +91,7 @@ def main(argv):
     _refuse(str(e))
   if not arms:
     _refuse(f"--arm {arm!r} is not an arm of {args.config} "
-            f"({', '.join(ablation.recipe_list(config))})")
+            f"({', '.join(a.name for a in ablation.arm_list(config))})")
   with config.unlocked():
     config.ablation.arms = arms[0].spec
     config.ablation.update(baseline=arm, seeds=args.runs, recipe_seeds="", declaration="")

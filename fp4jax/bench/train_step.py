@@ -4,8 +4,8 @@
       [--recipes mxfp4-dh16,...] [--steps 20] [--rounds 3]
 
 The train step of the config (model, batch, sequence length, micro-batches,
-mesh) is built as the trainer builds it (fp4jax.train.trainer), once per recipe,
-compiled, and run on random tokens: `--rounds` rounds, each running `--steps`
+mesh) is built as the trainer builds it (fp4jax.train.step.make_programs),
+once per recipe, compiled, and run on random tokens: `--rounds` rounds, each running `--steps`
 steps of every recipe in turn, so that a load change on a shared machine hits
 all recipes alike. Two bf16 baselines always run first: "bf16" (plain_route
 "lax": lax.dot_general, what an unquantized model runs) and "bf16
@@ -27,7 +27,7 @@ import numpy as np
 from fp4jax import sharding
 from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
-from fp4jax.train import trainer
+from fp4jax.train import step as train_step
 from fp4jax.bench import machine
 from fp4jax.bench.memory import named_recipe
 from fp4jax.train.cli import load_config_file
@@ -46,7 +46,7 @@ def build(config, recipe_name, plain_route="lax"):
   tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   mesh = sharding.make_mesh(config.mesh)
-  programs = trainer.make_programs(config, model_cfg, recipe, mesh)
+  programs = train_step.make_programs(config, model_cfg, recipe, mesh)
   state = programs.init(programs.params_key)
   rows = np.random.default_rng(0).integers(
       0, model_cfg.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)

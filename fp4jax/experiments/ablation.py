@@ -146,11 +146,6 @@ def arm_list(config) -> list[arms_lib.Arm]:
   return out
 
 
-def recipe_list(config) -> list[str]:
-  """The run names of the ablation (arm_list's names)."""
-  return [a.name for a in arm_list(config)]
-
-
 def seed_counts(config, names) -> dict:
   """{recipe: number of seeds}: config.ablation.seeds, or its recipe_seeds entry.
 

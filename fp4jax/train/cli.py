@@ -4,11 +4,13 @@
 config file exists and that every `--config.KEY=VALUE` names a key of it
 (UserError with a "did you mean" hint otherwise), so those mistakes are one
 line instead of a traceback. `flags_parser(prog)` is an absl flags parser
-that reports a bad flag as one line with exit status 2.
+that reports a bad flag as one line with exit status 2. `expand_quant_flag(argv)`
+rewrites the `--config.quant=NAME` shorthand for them.
 """
 
 import importlib.util
 import os
+import re
 import sys
 
 from absl import flags
@@ -92,3 +94,22 @@ def flags_parser(prog):
       sys.exit(errors.report(prog, e))
 
   return parse
+
+
+_QUANT_SHORTHAND = re.compile(r"^(--?config\.quant)(=.*)?$")
+
+
+def expand_quant_flag(argv):
+  """Rewrites `--config.quant=NAME` (or `--config.quant NAME`) in a command
+  line to `--config.quant.name=NAME`, for CLIs built on ml_collections.
+
+  config_flags only overrides leaves and `quant` is a ConfigDict; it also
+  reads sys.argv itself, so a CLI must assign the result to sys.argv before
+  absl parses it.
+  """
+  out = []
+  for arg in argv:
+    match = _QUANT_SHORTHAND.match(arg)
+    out.append(match.group(1) + ".name" + (match.group(2) or "")
+               if match else arg)
+  return out

@@ -46,12 +46,12 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
 """
 
 import dataclasses
-import re
 
 import ml_collections
 from ml_collections import config_dict
 
 from fp4jax.train import adaptive
+from fp4jax.train import step as train_step
 from fp4jax.train import profile
 from fp4jax.train import wandb_log
 from fp4jax.data import pipeline
@@ -64,25 +64,6 @@ from fp4jax import sharding
 DTYPES = ("float32", "bfloat16")
 # Model fields the trainer sets itself (dtype from config.dtype).
 _MODEL_FIELDS_SET_BY_TRAINER = ("dtype",)
-
-
-_QUANT_SHORTHAND = re.compile(r"^(--?config\.quant)(=.*)?$")
-
-
-def expand_quant_flag(argv):
-  """Rewrites `--config.quant=NAME` (or `--config.quant NAME`) in a command
-  line to `--config.quant.name=NAME`, for CLIs built on ml_collections.
-
-  config_flags only overrides leaves and `quant` is a ConfigDict; it also
-  reads sys.argv itself, so a CLI must assign the result to sys.argv before
-  absl parses it.
-  """
-  out = []
-  for arg in argv:
-    match = _QUANT_SHORTHAND.match(arg)
-    out.append(match.group(1) + ".name" + (match.group(2) or "")
-               if match else arg)
-  return out
 
 
 def model_template(name="tiny", **overrides):
@@ -173,11 +154,6 @@ def resolve_recipe(quant, dtype):
   return recipe
 
 
-def micro_batch(config):
-  """Global sequences per accumulation step."""
-  return config.micro_batch or config.batch_size
-
-
 def check(config):
   """Start-up checks of the trainer's own keys (ValueError naming the key)."""
   positive = ("steps", "batch_size", "seq_len", "eval_every", "eval_batches",
@@ -186,7 +162,7 @@ def check(config):
   for key in positive:
     if not config[key] >= 1:
       raise ValueError(f"config.{key} must be >= 1, got {config[key]!r}")
-  if config.micro_batch < 0 or config.batch_size % micro_batch(config):
+  if config.micro_batch < 0 or config.batch_size % train_step.micro_batch(config):
     raise ValueError(f"config.micro_batch {config.micro_batch} must divide "
                      f"batch_size {config.batch_size} (0 = no accumulation)")
   if not 0 <= config.min_lr_ratio <= 1 or not config.lr > 0:

@@ -1,6 +1,7 @@
 """The pieces of one optimisation step: state, optimizer, loss, step, eval.
 
-Everything here is a pure function of its arguments, jitted by the trainer.
+Everything here is a pure function of its arguments; `make_programs` jits
+them for one run (the trainer's, and the benchmarks' that time a run's step).
 The step accumulates gradients over micro-batches (lax.scan), clips by global
 norm, applies AdamW with a warm-up + cosine schedule, and refuses a step whose
 loss or gradient is not finite: parameters and optimizer state stay as they
@@ -11,13 +12,19 @@ evaluation batch); "hadamard" (per-layer Hadamard signs) gets layer_key(seed_key
 on every step and evaluation, so each layer's signs stay fixed for the run.
 """
 
+import dataclasses
+import functools
 from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
+
+from fp4jax import sharding
+from fp4jax.llama import model as model_lib
 
 
 @flax.struct.dataclass
@@ -179,3 +186,79 @@ def make_eval_step(model, eval_key, run_layer_key=None):
     return loss_fn(model, params, tokens_BxL1,
                    jax.random.fold_in(eval_key, index), run_layer_key)
   return eval_loss
+
+
+def micro_batch(config):
+  """Global sequences per accumulation step (config.micro_batch, 0: the batch)."""
+  return config.micro_batch or config.batch_size
+
+
+_OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
+                   "weight_decay", "b1", "b2", "eps", "clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """The jitted functions of one run and the shardings they use."""
+  init: Any             # params_key -> TrainState
+  step: Any             # (state, tokens_BxL1[, wgrad_switched_L]) -> (state, metrics)
+  eval: Any             # (params, tokens_BxL1, index) -> loss
+  abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
+  params_key: Any
+  switchable: bool      # step takes wgrad_switched_L (fp4jax.train.adaptive)
+
+
+def make_programs(config, model_cfg, recipe, mesh, *, switch_wgrad_to=None,
+                  nan_steps=()):
+  """The jitted init, step and eval of `config` with `recipe` on `mesh`.
+
+  The trainer's own: its optimizer, seed, micro-batches and sequence length
+  from `config` (a benchmark gets the step a run trains with).
+  switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.train.adaptive); the
+  step then takes the bool [n_layers] wgrad_switched_L as a third argument.
+  nan_steps: test hook, see fp4jax.train.trainer.train().
+  """
+  return _programs(
+      model_cfg, recipe, tuple((k, config[k]) for k in _OPTIMIZER_KEYS),
+      config.seed, config.batch_size // micro_batch(config), tuple(nan_steps),
+      config.seq_len, mesh, switch_wgrad_to)
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
+              seq_len, mesh, switch_wgrad_to):
+  """Builds (and caches) the Programs of make_programs.
+
+  Runs in one process that differ only in data, evaluation, checkpointing or
+  stopping share these, so they compile once (tests and sweeps rely on it).
+  Parameters and optimizer state are created directly sharded: init is
+  jitted with out_shardings from the model's logical axis names.
+  """
+  model = model_lib.Llama(model_cfg, recipe, switch_wgrad_to)
+  tx, schedule = optimizer(
+      ml_collections.ConfigDict(dict(optimizer_items)))
+  seed_key = jax.random.key(seed)
+  params_key, eval_key = jax.random.split(seed_key)
+  init = lambda key: init_state(model, tx, key, seq_len)
+  boxed = jax.eval_shape(init, params_key)
+  state_shardings = sharding.logical_to_sharding(boxed, mesh)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      nn.unbox(boxed), state_shardings)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  batch_sharding = sharding.batch_sharding(mesh)
+  step = make_train_step(
+      model, tx, schedule, seed_key=seed_key, n_micro=n_micro,
+      nan_steps=nan_steps)
+  return Programs(
+      init=jax.jit(lambda key: nn.unbox(init(key)),
+                   out_shardings=state_shardings),
+      step=jax.jit(step, in_shardings=(state_shardings, batch_sharding)
+                   + ((replicated,) if switch_wgrad_to is not None else ()),
+                   out_shardings=(state_shardings, replicated),
+                   donate_argnums=0),
+      eval=jax.jit(make_eval_step(model, eval_key, layer_key(seed_key)),
+                   in_shardings=(state_shardings.params, batch_sharding, None),
+                   out_shardings=replicated),
+      abstract=abstract, params_key=params_key,
+      switchable=switch_wgrad_to is not None)

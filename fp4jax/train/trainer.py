@@ -29,10 +29,8 @@ import sys
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 
 from fp4jax.train import adaptive
@@ -43,7 +41,6 @@ from fp4jax.train import profile
 from fp4jax.train import throughput
 from fp4jax.train import wandb_log
 from fp4jax.llama import block_check
-from fp4jax.llama import model as model_lib
 from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax import records
@@ -57,7 +54,6 @@ from fp4jax.checkpointing import Checkpoints
 from fp4jax.train.metrics_log import MetricsLog
 from fp4jax.train.config import ConfigError
 from fp4jax.train.config import check
-from fp4jax.train.config import micro_batch as _micro_batch
 from fp4jax.train.config import resolve
 from fp4jax.train.config import resolve_recipe
 
@@ -77,7 +73,7 @@ def _start(config):
     adaptive.check(config.adaptive_wgrad, model_cfg, [seg.recipe for seg in segs],
                    config.batch_size)
     mesh = sharding.make_mesh(config.mesh)
-    micro_batch = _micro_batch(config)
+    micro_batch = train_step.micro_batch(config)
     for seg in segs:
       block_check.check_blocks(model_cfg, seg.recipe, mesh, micro_batch=micro_batch,
                                seq_len=config.seq_len)
@@ -173,77 +169,6 @@ class _SaveOnError:
     print(f"fp4jax: stopping at step {step} on {type(error).__name__}; saved "
           f"a checkpoint at step {step} first.", file=sys.stderr, flush=True)
     return False
-
-
-_OPTIMIZER_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio",
-                   "weight_decay", "b1", "b2", "eps", "clip")
-
-
-@dataclasses.dataclass(frozen=True)
-class Programs:
-  """The jitted functions of one run and the shardings they use."""
-  init: Any             # params_key -> TrainState
-  step: Any             # (state, tokens_BxL1[, wgrad_switched_L]) -> (state, metrics)
-  eval: Any             # (params, tokens_BxL1, index) -> loss
-  abstract: Any         # TrainState of ShapeDtypeStruct (with shardings)
-  params_key: Any
-  switchable: bool      # step takes wgrad_switched_L (fp4jax.train.adaptive)
-
-
-def make_programs(config, model_cfg, recipe, mesh, *, switch_wgrad_to=None,
-                  nan_steps=()):
-  """The jitted init, step and eval of `config` with `recipe` on `mesh`.
-
-  The trainer's own: its optimizer, seed, micro-batches and sequence length
-  from `config` (a benchmark gets the step a run trains with).
-  switch_wgrad_to: the Gemm of switched blocks' Wgrad (fp4jax.train.adaptive); the
-  step then takes the bool [n_layers] wgrad_switched_L as a third argument.
-  nan_steps: test hook, see train().
-  """
-  return _programs(
-      model_cfg, recipe, tuple((k, config[k]) for k in _OPTIMIZER_KEYS),
-      config.seed, config.batch_size // _micro_batch(config), tuple(nan_steps),
-      config.seq_len, mesh, switch_wgrad_to)
-
-
-@functools.lru_cache(maxsize=4)
-def _programs(model_cfg, recipe, optimizer_items, seed, n_micro, nan_steps,
-              seq_len, mesh, switch_wgrad_to):
-  """Builds (and caches) the Programs of make_programs.
-
-  Runs in one process that differ only in data, evaluation, checkpointing or
-  stopping share these, so they compile once (tests and sweeps rely on it).
-  Parameters and optimizer state are created directly sharded: init is
-  jitted with out_shardings from the model's logical axis names.
-  """
-  model = model_lib.Llama(model_cfg, recipe, switch_wgrad_to)
-  tx, schedule = train_step.optimizer(
-      ml_collections.ConfigDict(dict(optimizer_items)))
-  seed_key = jax.random.key(seed)
-  params_key, eval_key = jax.random.split(seed_key)
-  init = lambda key: train_step.init_state(model, tx, key, seq_len)
-  boxed = jax.eval_shape(init, params_key)
-  state_shardings = sharding.logical_to_sharding(boxed, mesh)
-  abstract = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-      nn.unbox(boxed), state_shardings)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  batch_sharding = sharding.batch_sharding(mesh)
-  step = train_step.make_train_step(
-      model, tx, schedule, seed_key=seed_key, n_micro=n_micro,
-      nan_steps=nan_steps)
-  return Programs(
-      init=jax.jit(lambda key: nn.unbox(init(key)),
-                   out_shardings=state_shardings),
-      step=jax.jit(step, in_shardings=(state_shardings, batch_sharding)
-                   + ((replicated,) if switch_wgrad_to is not None else ()),
-                   out_shardings=(state_shardings, replicated),
-                   donate_argnums=0),
-      eval=jax.jit(train_step.make_eval_step(model, eval_key, train_step.layer_key(seed_key)),
-                   in_shardings=(state_shardings.params, batch_sharding, None),
-                   out_shardings=replicated),
-      abstract=abstract, params_key=params_key,
-      switchable=switch_wgrad_to is not None)
 
 
 def _data_states(batches):
@@ -410,7 +335,7 @@ class _Run:
   """What the training loop works with (fixed for the run)."""
   config: Any
   segs: Any              # the recipe schedule's segments
-  programs: Any          # [Programs] of each segment
+  programs: Any          # [train_step.Programs] of each segment
   mesh: Any
   batches: Any           # the training iterator
   val_batches: Any       # global validation batches
@@ -434,7 +359,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   """train() once the config is checked and the workdir locked."""
   init_source = init_from.open_source(config.init_from, model_cfg)
   main = sharding.is_main_process()
-  segment_programs = [make_programs(
+  segment_programs = [train_step.make_programs(
       config, model_cfg, seg.recipe, mesh, nan_steps=nan_steps,
       switch_wgrad_to=adaptive.switch_target(config.adaptive_wgrad, seg.recipe))
       for seg in segs]
