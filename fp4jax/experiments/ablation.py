@@ -44,7 +44,7 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
                          study records it. 0: one run at a time in this process,
                          on every core
   ablation.parallel      runs side by side (0: as many as fit the cores, 2 on a
-                         2-core machine: 1.26x the runs per hour of one run on both
+                         2-core machine: 1.43x the runs per hour of one run on both
                          cores, docs/ablation.md); not part of a study's config
   ablation.baseline      recipe whose final validation loss is the target ("fp8")
   ablation.target_at     the target is the baseline's validation loss at this
