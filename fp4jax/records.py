@@ -139,11 +139,13 @@ class Summary:
 @dataclasses.dataclass(frozen=True)
 class Wall:
   """the ablation's wall.json of a run (fp4jax.experiments.code_version: the
-  code and core count that made it; missing in runs before they were recorded)"""
+  code and core count that made it, and the environments its attempts ran
+  in; missing in runs before they were recorded)"""
   wall_s: float
   code: str | None = None
   commit: str | None = None
   cpus: int | None = None
+  environments: list[dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

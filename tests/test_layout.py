@@ -1,19 +1,22 @@
-"""The import graph of fp4jax/, kernels/ (as fp4jax.kernels), configs/ and train.py.
+"""The import graph of fp4jax/, configs/ and train.py.
 
 Every `import` statement counts, at module level or inside a function. The
 graph has no cycle; the numerics, backends and kernels never import the
 model, data or trainer (nor the other way round: those go through recipes,
 dot and flax); numerics/ imports only itself, jax, numpy and the standard
 library; recipes.py imports only the numerics; dot.py and diagnostics.py take no helpers from backends/xla.py;
-residuals.py does not import the kernels.
+residuals.py does not import the kernels. Nothing at the top of the checkout
+(which `python -m ...` and `python train.py` put first on sys.path) takes the
+import name of an installed distribution.
 """
 
 import ast
+import importlib.metadata
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TREES = (("fp4jax", "fp4jax"), ("kernels", "fp4jax.kernels"), ("configs", "configs"))
+_TREES = (("fp4jax", "fp4jax"), ("configs", "configs"))
 
 
 def _sources():
@@ -154,3 +157,14 @@ def test_residuals_does_not_import_the_kernels():
   bad = [_where(*e) for e in EDGES
          if e[0] == "fp4jax.residuals" and _under(e[2], "fp4jax.kernels")]
   assert not bad, bad
+
+
+def test_no_top_level_name_of_the_checkout_shadows_an_installed_distribution():
+  # transformers >= 5.2x imports the `kernels` distribution: a top-level kernels/
+  # package here made every `import transformers` run from the checkout fail.
+  names = {entry.name for entry in os.scandir(ROOT)
+           if os.path.exists(os.path.join(entry.path, "__init__.py"))}
+  names |= {name[:-len(".py")] for name in os.listdir(ROOT) if name.endswith(".py")}
+  owners = importlib.metadata.packages_distributions()
+  clashes = {name: owners[name] for name in names if set(owners.get(name, ["fp4jax"])) != {"fp4jax"}}
+  assert not clashes, f"top-level names of the checkout that installed distributions own: {clashes}"

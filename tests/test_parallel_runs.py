@@ -1,7 +1,8 @@
 """The ablation runner's runs side by side (fp4jax.experiments.parallel): the
 cores of each slot, the bits of a run independent of how many run at once,
-signals passed on and a study resumed, and a run made by one code version
-on one core count (fp4jax.experiments.code_version)."""
+signals passed on and a study resumed, a run made by one code version on
+one core count, and the environments that made it recorded and reported
+(fp4jax.experiments.code_version)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from fp4jax.experiments import ablation
 from fp4jax.experiments import code_version
 from fp4jax.experiments import committed
 from fp4jax.experiments import parallel
+from fp4jax.experiments import report
 from fp4jax.train import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,7 +62,7 @@ def test_the_source_hash_follows_every_python_file(tmp_path, monkeypatch):
   (package / "sub").mkdir(parents=True)
   (package / "a.py").write_text("x = 1\n")
   (package / "sub" / "b.py").write_text("y = 2\n")
-  monkeypatch.setattr(code_version, "_SOURCES", (str(package),))
+  monkeypatch.setattr(code_version, "_PACKAGE", str(package))
 
   def digest():
     code_version.source_hash.cache_clear()
@@ -125,6 +127,57 @@ def test_a_run_of_other_code_or_cores_is_not_reused_or_resumed(tmp_path, monkeyp
     ablation._train(config, ablation.arm_list(config)[0], 0, run)  # pylint: disable=protected-access
 
 
+def test_environment_changes_name_what_moved():
+  now = code_version.current(1)
+  env = now["environment"]
+  assert set(env["packages"]) == set(code_version.PACKAGES) and env["packages"]["jax"]
+  assert env["cpu"] and env["python"].count(".") == 2
+  assert code_version.environment_changes({"wall_s": 1.0}, now) == ""  # none recorded
+  assert code_version.environment_changes({"environments": [env]}, now) == ""
+  other = dict(env, cpu="Other CPU", packages=dict(env["packages"], numpy="0.1"))
+  assert code_version.environment_changes({"environments": [env, other]}, now) == (
+      f"cpu 'Other CPU' -> {env['cpu']!r}, numpy 0.1 -> {env['packages']['numpy']}")
+
+
+def test_a_run_resumed_in_another_environment_keeps_both(tmp_path, monkeypatch, capsys):
+  config = _study()
+  run = str(tmp_path / "bf16_seed0")
+  made = code_version.current(len(os.sched_getaffinity(0)))
+  elsewhere = dict(made, environment=dict(made["environment"], cpu="Other CPU"))
+  ablation._add_wall(run, 2.0, elsewhere)  # pylint: disable=protected-access
+  ablation._add_wall(run, 3.0, elsewhere)  # pylint: disable=protected-access
+  monkeypatch.setattr(ablation.trainer, "train", lambda *a, **k: dict(status="completed"))
+  ablation._train(config, ablation.arm_list(config)[0], 0, run)  # pylint: disable=protected-access
+  assert (f"{run} was begun in another environment (cpu 'Other CPU' -> "
+          f"{made['environment']['cpu']!r}); resumed here") in capsys.readouterr().out
+  wall = json.loads((tmp_path / "bf16_seed0" / "wall.json").read_text())
+  assert wall["environments"] == [elsewhere["environment"], made["environment"]]
+  assert wall["wall_s"] >= 5.0 and wall["code"] == made["code"] and "environment" not in wall
+
+
+def test_the_report_says_which_environment_made_which_runs():
+  env = code_version.environment()
+  other = dict(env, packages=dict(env["packages"], jaxlib="0.0.1"))
+
+  def run(recipe, seed, environments):
+    return report.Run(recipe, seed, "", [], None, None, "completed", 0, 1.0, environments)
+
+  runs = {"R0": [run("R0", 0, [env]), run("R0", 1, [other])],
+          "S1": [run("S1", 0, [env]), run("S1", 1, [env, other]), run("S1", 2, None)]}
+  lines = report.environments_section(runs)
+  assert lines[1].startswith("Made in 3 environment(s)")
+  assert lines[2].startswith("- E1: Python ") and lines[2].endswith(
+      ": R0 seed 0, S1 seed 0, S1 seed 1")
+  assert "jaxlib 0.0.1" in lines[3] and lines[3].endswith(": R0 seed 1, S1 seed 1")
+  assert lines[4] == "- E3: not recorded (runs before fp4jax recorded it): S1 seed 2"
+  assert lines[5] == "- Resumed in another environment (one run, two or more): S1 seed 1"
+  assert lines[6] == "- Seeds whose arms were made in more than one: 1"
+  assert report.environments_section({"R0": [run("R0", 0, [env])]})[1:] == [
+      "Made in 1 environment(s) (a run's bits depend on the CPU and the jax, jaxlib, numpy "
+      "and ml_dtypes releases, not only on the code; arms compared within a seed are "
+      "treated alike where its runs share one):", f"- E1: {report._environment_text(env)}: R0 seed 0"]
+
+
 def _losses(path):
   with open(os.path.join(path, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
@@ -145,6 +198,7 @@ def test_runs_side_by_side_have_the_bits_of_runs_one_at_a_time(tmp_path):
       assert committed.is_complete(str(tmp_path / f"{name}_results" / run)), (name, run)
       wall = json.loads((tmp_path / name / run / "wall.json").read_text())
       assert wall["cpus"] == 1 and wall["code"] == code_version.source_hash()
+      assert wall["environments"] == [code_version.environment()]
   for run in runs:
     together, apart = (_losses(str(tmp_path / n / run)) for n in ("together", "apart"))
     assert together == apart and len(together) >= 5 and together[-1][2] is not None

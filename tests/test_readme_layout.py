@@ -3,7 +3,7 @@
 Checked: every subpackage (a folder with __init__.py) and every top-level
 module of fp4jax/, by name (`fp4jax/numerics/`, `fp4jax/dot.py`), and every
 top-level folder or script of the repository that holds Python code
-(`kernels/`, `configs/`, `tests/`, `train.py`); any other entry (`docs/`,
+(`configs/`, `tests/`, `train.py`); any other entry (`docs/`,
 `benchmarks/`) must exist. Files inside a subpackage are not listed, so
 moving one within its wing needs no README change.
 """
@@ -61,10 +61,10 @@ def test_drift_is_reported_by_name(tmp_path):
   (tmp_path / "fp4jax" / "numerics" / "__init__.py").write_text("")
   (tmp_path / "fp4jax" / "dot.py").write_text("")
   (tmp_path / "fp4jax" / "new.py").write_text("")
-  (tmp_path / "kernels").mkdir()
-  (tmp_path / "kernels" / "gemm.py").write_text("")
+  (tmp_path / "tools").mkdir()
+  (tmp_path / "tools" / "gemm.py").write_text("")
   (tmp_path / "docs").mkdir()
   readme = ("## Layout\n\n```\nfp4jax/numerics/   x\nfp4jax/dot.py   y\n"
             "fp4jax/gone.py  z\ndocs/  pages\nresults/  runs\n```\n")
   assert layout_drift(readme, tmp_path) == (
-      ["fp4jax/new.py", "kernels/"], ["fp4jax/gone.py", "results/"])
+      ["fp4jax/new.py", "tools/"], ["fp4jax/gone.py", "results/"])

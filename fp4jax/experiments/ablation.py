@@ -219,11 +219,17 @@ def _wall(path):
 
 def _add_wall(path, seconds, made_by):
   """Adds `seconds` to WORKDIR/<run>/wall.json (wall time over all attempts)
-  and records `made_by` (code_version.current) there."""
+  and records `made_by` (code_version.current) there, its environment added
+  to those of the earlier attempts."""
   os.makedirs(path, exist_ok=True)  # a run that failed at start made none
-  total = (_wall(path) or {"wall_s": 0.0})["wall_s"]
-  atomic.write_text(os.path.join(path, "wall.json"),
-                    json.dumps({"wall_s": total + seconds, **made_by}))
+  saved = _wall(path) or {"wall_s": 0.0}
+  made_by = dict(made_by)
+  environments = list(saved.get("environments") or [])
+  if made_by["environment"] not in environments:
+    environments.append(made_by["environment"])
+  del made_by["environment"]
+  atomic.write_text(os.path.join(path, "wall.json"), json.dumps(
+      {"wall_s": saved["wall_s"] + seconds, **made_by, "environments": environments}))
 
 
 def _run_cpus(config):
@@ -430,6 +436,10 @@ def _train(config, arm, seed, path):
         f"the interrupted run {path} was begun with other code or cores ({differs}); a "
         "run is made by one code version on one core count: remove the folder to "
         "train it anew, or resume it as it was begun")
+  moved = code_version.environment_changes(_wall(path) or {}, made_by)
+  if moved:
+    print(f"ablation: {path} was begun in another environment ({moved}); resumed here, "
+          "its wall.json lists both", flush=True)
   cfg = run_config(config, arm, seed)
   callback = diagnostics_callback(config, cfg)
   print(f"ablation: training {arm.name} (seed {seed}) in {path}", flush=True)

@@ -14,6 +14,7 @@ still going).
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -49,7 +50,8 @@ class Run:
 
   tokens_T, loss_T: its validation curve; status: the trainer's summary
   status (None while running; "diverged" when it gave up on non-finite
-  steps); wall_s: seconds the ablation spent on it (wall.json).
+  steps); wall_s: seconds the ablation spent on it; environments: those its
+  attempts ran in (wall.json; None before they were recorded).
   """
   recipe: str
   seed: int
@@ -60,6 +62,7 @@ class Run:
   status: str | None
   skipped_steps: int
   wall_s: float | None
+  environments: list | None = None
 
   @property
   def finished(self) -> bool:
@@ -92,7 +95,7 @@ def load_run(path, recipe, seed) -> Run | None:
   wall = _read_record(records.Wall, os.path.join(path, "wall.json"))
   skipped = max(int(r.get("skipped_steps") or 0) for r in rows)
   return Run(recipe, seed, path, rows, tokens_T, loss_T, summary and summary["status"],
-             skipped, wall and wall["wall_s"])
+             skipped, wall and wall["wall_s"], wall and wall.get("environments"))
 
 
 def load_runs(workdir, recipes=None) -> dict:
@@ -419,6 +422,39 @@ def instruments_section(runs):
       "GEMM output (negative: shrinkage toward zero).", summary, "+.4f")
 
 
+def _environment_text(env):
+  packages = ", ".join(f"{name} {version}" for name, version in env["packages"].items())
+  flags = f", XLA_FLAGS {env['xla_flags']!r}" if env["xla_flags"] else ""
+  return f"Python {env['python']}, {packages}; CPU {env['cpu']}{flags}"
+
+
+def environments_section(runs):
+  """Markdown: the environments that made the runs (wall.json), the runs of
+  each, and the seeds whose arms were made in more than one."""
+  labels, made_in, seeds = {}, {}, {}
+  for rs in runs.values():
+    for run in rs:
+      for env in run.environments or [None]:
+        key = json.dumps(env, sort_keys=True)
+        labels.setdefault(key, env)
+        made_in.setdefault(key, []).append(f"{run.recipe} seed {run.seed}")
+        seeds.setdefault(run.seed, set()).add(key)
+  lines = ["", f"Made in {len(labels)} environment(s) (a run's bits depend on the CPU and "
+           "the jax, jaxlib, numpy and ml_dtypes releases, not only on the code; arms compared "
+           "within a seed are treated alike where its runs share one):"]
+  for i, (key, env) in enumerate(labels.items()):
+    what = _environment_text(env) if env else "not recorded (runs before fp4jax recorded it)"
+    lines.append(f"- E{i + 1}: {what}: {', '.join(made_in[key])}")
+  spanning = [f"{r.recipe} seed {r.seed}" for rs in runs.values() for r in rs
+              if r.environments and len(r.environments) > 1]
+  if spanning:
+    lines.append(f"- Resumed in another environment (one run, two or more): {', '.join(spanning)}")
+  mixed = sorted(s for s, keys in seeds.items() if len(keys) > 1 and s is not None)
+  if mixed:
+    lines.append(f"- Seeds whose arms were made in more than one: {', '.join(map(str, mixed))}")
+  return lines
+
+
 def smallest_effect(runs, decl):
   """(the baseline's late slope dL/d ln(tokens), mean over its seeds; the
   declaration's smallest effect of interest in nats through it)."""
@@ -488,7 +524,8 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   diag = diag_summary(runs)
   series = snr_series(runs)
   sections = (estimates_section(runs, baseline, late_from) if baseline in runs else [])
-  sections += instruments_section(runs) + verdict_section(runs, decl, workdir)
+  sections += (instruments_section(runs) + verdict_section(runs, decl, workdir)
+               + environments_section(runs))
   banner = ("**EXPLORATORY: the verdicts of this table do not follow rules declared before "
             "its first run** (see the verdicts' paragraph).\n\n") if (
       decl is not None and declaration_lib.status(workdir, decl.path) != "declared") else ""

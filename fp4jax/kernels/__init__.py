@@ -1,4 +1,4 @@
-"""Pallas kernels for the quantization hot path (imported as fp4jax.kernels).
+"""Pallas kernels for the quantization hot path.
 
   quantize  fused [Hadamard] -> MX quantize -> packed E2M1 + E8M0 codes, and the
             fused fake quantize the dot_general's `pallas` backend calls
