@@ -371,13 +371,15 @@ def _base_name(name: str) -> str:
   return name.split("[", 1)[0]
 
 
-def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
+def from_config(cfg: ml_collections.ConfigDict, default_compute_dtype=None) -> Recipe:
   """Recipe from `config_template()`: the preset `cfg.name` with the given overrides.
 
   The name of an overridden recipe records the changes, e.g.
   "mxfp4-dh16[wgrad.hadamard.block=32]" or "mxfp4[scale_mode=floor]" (when
   every MX operand moved to one rule); such a name is accepted back.
-  A recipe-wide scale_mode on a recipe without MX operands raises ValueError.
+  default_compute_dtype: the compute dtype when cfg sets none (a run's
+  config.dtype; not part of the name). A recipe-wide scale_mode on a recipe
+  without MX operands raises ValueError.
   """
   base = recipe(_base_name(cfg.name))
   scale_mode = cfg.get("scale_mode")
@@ -396,7 +398,11 @@ def from_config(cfg: ml_collections.ConfigDict) -> Recipe:
     raise ValueError(f"quant.scale_mode={scale_mode!r} sets the E8M0 rule of MX operands; "
                      f"recipe {cfg.name!r} has none")
   changes = _name_changes(_diff(base.to_config(), out.to_config()), out)
-  return dataclasses.replace(out, name=f"{base.name}[{','.join(changes)}]") if changes else out
+  if changes:
+    out = dataclasses.replace(out, name=f"{base.name}[{','.join(changes)}]")
+  if cfg.compute_dtype is None and default_compute_dtype is not None:
+    out = dataclasses.replace(out, compute_dtype=default_compute_dtype)
+  return out
 
 
 def _mx_specs(r: Recipe) -> list:

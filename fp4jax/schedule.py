@@ -75,13 +75,13 @@ def _start_step(start, steps, where):
   return int(start)
 
 
-def segments(first: recipes.Recipe, schedule, steps: int, resolve_recipe) -> list[Segment]:
+def segments(first: recipes.Recipe, schedule, steps: int,
+             compute_dtype=None) -> list[Segment]:
   """[Segment(0, first), Segment(start_1, recipe_1), ...] of a schedule.
 
   schedule: config.quant_schedule (a sequence of (start, recipe) pairs).
-  resolve_recipe: quant ConfigDict -> Recipe (the trainer's, which also
-  applies config.dtype as the default compute dtype). ValueError on a bad
-  entry, naming it.
+  compute_dtype: the compute dtype of a switched-to recipe that sets none (the
+  run's config.dtype). ValueError on a bad entry, naming it.
   """
   out = [Segment(0, first)]
   for i, entry in enumerate(schedule or ()):
@@ -92,7 +92,8 @@ def segments(first: recipes.Recipe, schedule, steps: int, resolve_recipe) -> lis
     if start <= out[-1].start:
       raise ValueError(f"{where}: start step {start} is not after the previous switch at "
                        f"step {out[-1].start}; starts must increase")
-    out.append(Segment(start, resolve_recipe(_quant_config(entry[1], where))))
+    out.append(Segment(start, recipes.from_config(_quant_config(entry[1], where),
+                                                  compute_dtype)))
   return out
 
 

@@ -1,5 +1,6 @@
 """config.quant_schedule: segments, switching inside a run, resume across a switch."""
 
+import dataclasses
 import os
 import signal
 
@@ -14,21 +15,25 @@ from fp4jax.train.metrics_log import read_metrics
 from tests.helpers import final_state, tiny_config
 
 
-def _resolve(quant):
-  return recipes.from_config(quant)
-
-
 def test_segments_from_steps_fractions_and_dicts():
   first = recipes.recipe("mxfp4-dh16")
   bf16_fwd = {"name": "mxfp4-dh16",
               "fprop": {"lhs": {"fmt": "none"}, "rhs": {"fmt": "none"}, "hadamard": {"block": 0}}}
-  segs = schedule.segments(first, ((0.5, "nvfp4"), (80, bf16_fwd)), 100, _resolve)
+  segs = schedule.segments(first, ((0.5, "nvfp4"), (80, bf16_fwd)), 100)
   assert [s.start for s in segs] == [0, 50, 80]
   assert segs[1].recipe == recipes.recipe("nvfp4")
   assert segs[2].recipe.fprop.is_plain and segs[2].recipe.wgrad == first.wgrad
   assert segs[2].recipe.name == "mxfp4-dh16[fprop.hadamard.block=0,fprop.lhs.fmt=none,fprop.rhs.fmt=none]"
   assert [schedule.segment_index(segs, s) for s in (0, 49, 50, 79, 80, 99)] == [0, 0, 1, 1, 2, 2]
-  assert schedule.segments(first, (), 100, _resolve) == [schedule.Segment(0, first)]
+  assert schedule.segments(first, (), 100) == [schedule.Segment(0, first)]
+
+
+def test_a_switched_to_recipe_takes_the_runs_dtype_unless_it_sets_one():
+  own = {"name": "fp8", "compute_dtype": "bfloat16"}
+  segs = schedule.segments(recipes.recipe("bf16"), ((3, "nvfp4"), (6, own)), 10, "float32")
+  assert segs[1].recipe == dataclasses.replace(recipes.recipe("nvfp4"), compute_dtype="float32")
+  assert segs[1].recipe.name == "nvfp4"  # the run's dtype is not an override of the recipe
+  assert segs[2].recipe.compute_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("entries,match", [
@@ -43,7 +48,7 @@ def test_segments_from_steps_fractions_and_dicts():
 ])
 def test_bad_entries_fail_naming_the_entry(entries, match):
   with pytest.raises(ValueError, match=match):
-    schedule.segments(recipes.recipe("bf16"), entries, 10, _resolve)
+    schedule.segments(recipes.recipe("bf16"), entries, 10)
 
 
 @pytest.mark.slow

@@ -59,6 +59,7 @@ from fp4jax import dot
 from fp4jax import errors
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes
+from fp4jax import schedule
 from fp4jax import sharding
 
 DTYPES = ("float32", "bfloat16")
@@ -147,11 +148,19 @@ def resolve(config, tokenizer):
 
 def resolve_recipe(quant, dtype):
   """The Recipe of a quant ConfigDict; compute dtype `dtype` unless it sets one."""
-  recipe = recipes.from_config(quant)
-  if quant.compute_dtype is None:
-    recipe = dataclasses.replace(recipe, compute_dtype=dtype)
+  recipe = recipes.from_config(quant, dtype)
   dot.check(recipe)
   return recipe
+
+
+def recipe_segments(first, config):
+  """schedule.segments of the run `config` (a ConfigDict or its config.json)
+  from its first Recipe, each switched-to recipe checked as resolve_recipe's."""
+  segs = schedule.segments(first, config.get("quant_schedule"), config["steps"],
+                           config["dtype"])
+  for seg in segs[1:]:
+    dot.check(seg.recipe)
+  return segs
 
 
 def check(config):

@@ -50,7 +50,7 @@ from fp4jax.llama import fp4_weights
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import ConvertError
-from fp4jax.train.config import resolve_recipe
+from fp4jax.train.config import recipe_segments
 
 LAYOUTS = {"compressed-tensors": ("nvfp4", "mxfp4"), "modelopt": ("nvfp4",)}
 # compressed-tensors' format names and the version whose config block is written.
@@ -70,9 +70,7 @@ def run_recipe(config, step):
   try:
     first = recipes.from_config(ml_collections.ConfigDict(
         config["resolved"]["recipe"]))
-    segs = schedule.segments(
-        first, config.get("quant_schedule"), config["steps"],
-        lambda quant: resolve_recipe(quant, config["dtype"]))
+    segs = recipe_segments(first, config)
   except (KeyError, TypeError, ValueError) as e:
     raise ConvertError(f"the run's recipe cannot be read from its config.json: "
                        f"{e}") from e

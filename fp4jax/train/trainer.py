@@ -55,7 +55,7 @@ from fp4jax.train.metrics_log import MetricsLog
 from fp4jax.train.config import ConfigError
 from fp4jax.train.config import check
 from fp4jax.train.config import resolve
-from fp4jax.train.config import resolve_recipe
+from fp4jax.train.config import recipe_segments
 
 def _start(config):
   """Checks the config and opens the data; any bad value -> ConfigError.
@@ -68,8 +68,7 @@ def _start(config):
     check(config)
     tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
     model_cfg, recipe = resolve(config, tokenizer)
-    segs = schedule.segments(recipe, config.get("quant_schedule"), config.steps,
-                             lambda quant: resolve_recipe(quant, config.dtype))
+    segs = recipe_segments(recipe, config)
     adaptive.check(config.adaptive_wgrad, model_cfg, [seg.recipe for seg in segs],
                    config.batch_size)
     mesh = sharding.make_mesh(config.mesh)
