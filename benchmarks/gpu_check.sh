@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-call GPU check of fp4jax (issue 13): < 9 minutes on one H200.
+# The one-call GPU check of fp4jax: < 9 minutes on one H200.
 #
 # Stages, in order, each under `timeout` (its own box, capped by what is left
 # of GPU_CHECK_BUDGET_S, default 500 s); a stage that fails or runs out of
@@ -54,8 +54,8 @@
 # Here they are installed with pip --no-index (never the network), only the
 # ones whose distribution is not installed already, matching this python.
 #
-# The device call (carry the wheels; 500 s of stages + start-up < 570 s):
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=570)
+# On the GPU machine, from the repository root with .whl/ beside it, under a
+# 570 s limit (500 s of stages + start-up): bash benchmarks/gpu_check.sh
 # CPU dry run (tiny sizes, CPU backend, every stage; a few minutes on 2 cores):
 #   DRY_RUN=1 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   (run from the repository root)
 set -uo pipefail
@@ -128,11 +128,10 @@ else
   echo "no wheels in .whl/ (run benchmarks/gpu_wheels.sh before the call)"
 fi
 
-# The package as pip lays it out (kernels/ -> fp4jax/kernels), outside the checkout.
+# The package and its tests outside the checkout.
 SRC=/tmp/fp4jax_src
 rm -rf "$SRC" && mkdir -p "$SRC"
 cp -r "$REPO/fp4jax" "$REPO/tests" "$REPO/configs" "$REPO/results" "$REPO/pyproject.toml" "$SRC/"
-rm -rf "$SRC/fp4jax/kernels" && cp -r "$REPO/kernels" "$SRC/fp4jax/kernels"
 cd "$SRC" || exit 1
 export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
 

@@ -10,6 +10,7 @@ trip through the saved reference file.
 import json
 import math
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -207,3 +208,11 @@ def test_a_python_that_cannot_import_jax_stops_the_check_with_exit_2(tmp_path):
                         text=True, check=False)
   assert done.returncode == 2, done.stdout + done.stderr
   assert done.stderr.count("\n") == 1 and "cannot import jax" in done.stderr, done.stderr
+
+
+def test_every_path_the_script_copies_from_the_checkout_exists():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "benchmarks", "gpu_check.sh"), encoding="utf-8") as f:
+    copied = re.findall(r'"\$REPO/([^"]+)"', f.read())
+  assert "fp4jax" in copied and "tests" in copied
+  assert [p for p in copied if not os.path.exists(os.path.join(root, p))] == []

@@ -7,7 +7,7 @@ status, seconds, time box; pytest.xml; env, crosscheck, quantize, linear,
 native and train_*.json) and writes OUT/summary.md and OUT/summary.json.
 A stage that failed or never ran shows as such; nothing is filled in.
 
-Goals (issue 13; measured, not promised): the fused quantize at >= 70% of
+Goals (measured, not promised): the fused quantize at >= 70% of
 copy bandwidth; mxfp4-dh16 linear fwd+bwd <= 1.25x bf16 at the 8B MLP
 shape; the 125M train step with mxfp4-dh16 <= 1.3x bf16; pallas equal to
 xla bit for bit; every GPU test passing.
