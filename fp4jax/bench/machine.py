@@ -3,7 +3,7 @@
 fp4jax's GEMMs of bf16 operands are bf16 x bf16 -> float32 dots, which
 XLA:CPU runs as bf16 GEMMs: faster than float32 ones on a CPU with bf16
 instructions (avx512_bf16, amx_bf16, Arm's bf16), slower on one without, so
-timings and their ratios move from one CPU to another (docs/performance.md).
+timings and their ratios move from one CPU to another (docs/performance-log.md).
 """
 
 import os

@@ -265,8 +265,8 @@ def recomputed(fn):
   intermediates would otherwise be saved. The gradients keep their bits on a
   single model call (tests/test_model.py), but inside the whole jitted train
   step XLA:CPU may fuse differently: the default run's losses moved in the
-  last bits (docs/performance.md). Not used for RMSNorm, whose gradients
-  change in the last bits even on a single call.
+  last bits (docs/performance-log.md, "Saved residuals"). Not used for
+  RMSNorm, whose gradients change in the last bits even on a single call.
   """
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
