@@ -82,7 +82,7 @@ if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu
   TINY=--tiny
   TESTS=("tests/test_kernels.py::test_e2m1_codes_and_values_match_the_casts"
-         "tests/test_kernels.py::test_interpret_defaults_to_the_backend"
+         "tests/test_kernels.py::test_interpret_none_runs_as_interpret_true_here"
          "tests/test_dot.py::test_backend_names")
 else
   export JAX_PLATFORMS=cuda

@@ -210,9 +210,15 @@ def test_a_python_that_cannot_import_jax_stops_the_check_with_exit_2(tmp_path):
   assert done.stderr.count("\n") == 1 and "cannot import jax" in done.stderr, done.stderr
 
 
-def test_every_path_the_script_copies_from_the_checkout_exists():
+def test_the_paths_and_tests_the_script_names_exist():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, "benchmarks", "gpu_check.sh"), encoding="utf-8") as f:
-    copied = re.findall(r'"\$REPO/([^"]+)"', f.read())
+    script = f.read()
+  copied = re.findall(r'"\$REPO/([^"]+)"', script)
   assert "fp4jax" in copied and "tests" in copied
   assert [p for p in copied if not os.path.exists(os.path.join(root, p))] == []
+  named = re.findall(r"(tests/\w+\.py)::(\w+)", script)
+  assert len(named) >= 3
+  for path, test in named:
+    with open(os.path.join(root, path), encoding="utf-8") as f:
+      assert f"def {test}(" in f.read(), f"{path}::{test}"
