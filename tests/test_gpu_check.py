@@ -182,6 +182,11 @@ def test_summary_checks_each_goal(tmp_path):
   assert met["Pallas interprets on the GPU (1 = yes"] == (1, False)
   assert result["tests"] == {"tests": 9, "failures": 1, "errors": 0, "skipped": 2}
   assert "| linear | 124 (timed out) | 150 | 150 |" in md
+  with open(os.path.join(w, "pytest.xml"), "w") as f:  # a tests stage that ran nothing
+    f.write('<testsuites><testsuite tests="2" failures="0" errors="0" skipped="2">'
+            '</testsuite></testsuites>')
+  met = {g["goal"]: (g["value"], g["met"]) for g in gpu_summary.goals(w)}
+  assert met["GPU tests failed or errored"] == (None, None)
 
 
 def test_summary_of_an_empty_work_dir(tmp_path):
