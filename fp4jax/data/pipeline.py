@@ -57,7 +57,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from fp4jax.data import identity as identity_lib
+from fp4jax.data import fingerprint as fingerprint_lib
 from fp4jax.data.files import DataError
 from fp4jax.data.files import Replacements
 from fp4jax.data.files import check_json_files
@@ -272,17 +272,18 @@ class _PackIterator(grain.DatasetIterator):
 class BatchIterator:
   """Endless (or, for validation, in-order) batches int32[rows, seq_len + 1].
 
-  `get_state()` returns a JSON-serialisable dict (with "data", the identity
-  of the files read: fp4jax.data.identity); `set_state` restores it into an
-  iterator built with the same arguments, and raises identity.DataChanged
-  for a state saved with other files unless `other_data` (a state without
-  "data", from before it was kept, is taken as it is).
+  `get_state()` returns a JSON-serialisable dict (with "data", the
+  fingerprint of the files read: fp4jax.data.fingerprint); `set_state`
+  restores it into an iterator built with the same arguments, and raises
+  fingerprint.DataChanged for a state saved with other files unless
+  `other_data` (a state without "data", from before it was kept, is taken
+  as it is).
   """
 
-  def __init__(self, row_iterators, first_row, global_batch, identity):
+  def __init__(self, row_iterators, first_row, global_batch, fingerprint):
     self._rows = row_iterators
     self._key = dict(first_row=first_row, global_batch=global_batch)
-    self.identity = identity
+    self.fingerprint = fingerprint
 
   def __iter__(self):
     return self
@@ -298,13 +299,13 @@ class BatchIterator:
 
   def get_state(self):
     return dict(self._key, rows=[r.get_state() for r in self._rows],
-                data=self.identity)
+                data=self.fingerprint)
 
   def set_state(self, state, other_data=False):
-    changed = identity_lib.changes(state.get("data", self.identity),
-                                   self.identity)
+    changed = fingerprint_lib.changes(state.get("data", self.fingerprint),
+                                      self.fingerprint)
     if changed and not other_data:
-      raise identity_lib.DataChanged(changed)
+      raise fingerprint_lib.DataChanged(changed)
     given = {k: state.get(k) for k in self._key}
     if given != self._key or len(state["rows"]) != len(self._rows):
       raise ValueError(f"data iterator state for {given} with "
@@ -337,8 +338,8 @@ def _corpus(cfg, split):
   """The documents (str) of split "train" or "validation".
 
   Returns (a grain.MapDataset (random access) or a function
-  (seed, rows, global_batch) -> _JsonLinesReader (streamed), the identity
-  of what it reads: fp4jax.data.identity).
+  (seed, rows, global_batch) -> _JsonLinesReader (streamed), the
+  fingerprint of what it reads: fp4jax.data.fingerprint).
   """
   validation = split == "validation"
   if cfg.source == "stdlib" and (cfg.path or cfg.val_path):
@@ -352,7 +353,7 @@ def _corpus(cfg, split):
       raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
                        f"files (data.val_fraction={cfg.val_fraction}).")
     return grain.MapDataset.source(rels).map(
-        lambda rel: read_text(os.path.join(root, rel))), identity_lib.of_files(
+        lambda rel: read_text(os.path.join(root, rel))), fingerprint_lib.of_files(
             "stdlib", [os.path.join(root, rel) for rel in rels], rels)
   if cfg.source == "files":
     if not cfg.path:
@@ -375,7 +376,7 @@ def _corpus(cfg, split):
       chosen, chosen_rels = [f for f, _ in chosen], [r for _, r in chosen]
       check_text_files(chosen)
       return grain.MapDataset.source(chosen).map(
-          lambda path: read_text(path, decode_errors)), identity_lib.of_files(
+          lambda path: read_text(path, decode_errors)), fingerprint_lib.of_files(
               "files", chosen, chosen_rels)
     check_json_files(files, cfg.text_key, decode_errors)
     fraction = cfg.val_fraction
@@ -386,7 +387,7 @@ def _corpus(cfg, split):
 
     return (lambda seed, rows, global_batch: _JsonLinesReader(
         files, rels, cfg.text_key, keep, seed, rows, global_batch,
-        decode_errors)), identity_lib.of_files("files", files, rels)
+        decode_errors)), fingerprint_lib.of_files("files", files, rels)
   if cfg.source == "tfds":
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
@@ -432,7 +433,7 @@ def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
     raise ValueError(f"seq_len ({seq_len}) and the batch size "
                      f"({global_batch}) must be positive.")
   _check_process_split(global_batch, process_index, process_count)
-  corpus, identity = _corpus(cfg, split)
+  corpus, fingerprint = _corpus(cfg, split)
   bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
 
   def tokens(text):
@@ -451,7 +452,7 @@ def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
     reader = corpus(shuffle_seed, rows, global_batch)
     texts = [_JsonLinesRow(reader, r) for r in rows]
   return BatchIterator([_PackIterator(t, tokens, seq_len + 1) for t in texts],
-                       first, global_batch, identity)
+                       first, global_batch, fingerprint)
 
 
 def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
