@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fp4jax.data import pipeline
+from fp4jax.data import sources
 from fp4jax.train import trainer
 from tests.helpers import BOS, EOS, expected_rows, TOK
 
@@ -105,7 +106,7 @@ def test_train_is_endless_and_reshuffles_each_epoch(tmp_path):
 
 
 def test_stdlib_split_is_disjoint_by_file():
-  root, train, val = pipeline.stdlib_files()
+  root, train, val = sources.stdlib_files()
   assert os.path.isdir(root) and len(val) > 10 and len(train) > 10 * len(val)
   assert not set(train) & set(val)
   skipped = {"site-packages", "dist-packages", "test", "tests"}

@@ -303,7 +303,7 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
   cases = _bad_corpora(tmp_path)
   script = (
       "import sys, json\n"
-      "from fp4jax.data import files, pipeline, tokenizers\n"
+      "from fp4jax.data import pipeline, sources, tokenizers\n"
       "tok = tokenizers.make_tokenizer('bytes')\n"
       "for name, pattern in json.loads(sys.argv[1]).items():\n"
       "  cfg = pipeline.data_config()\n"
@@ -313,7 +313,7 @@ def test_bad_data_files_are_one_line_naming_the_file(tmp_path):
       "    it = pipeline.train_iterator(cfg, tok, seq_len=16, global_batch=2, seed=0)\n"
       "    for _ in range(50): next(it)\n"
       "    print(name, 'ACCEPTED')\n"
-      "  except files.DataError as e:\n"
+      "  except sources.DataError as e:\n"
       "    print(name, '|', e)\n")
   patterns = {k: str(tmp_path / k / p) for k, (p, _) in cases.items()}
   result = subprocess.run([sys.executable, "-c", script, json.dumps(patterns)],

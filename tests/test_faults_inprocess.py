@@ -21,7 +21,7 @@ import pytest
 from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax import recipes
-from fp4jax.data import identity
+from fp4jax.data import fingerprint
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.experiments import report
@@ -363,7 +363,7 @@ def test_a_data_position_is_refused_for_changed_files(tmp_path):
   (corpus / "doc1.txt").write_text("longer " * 100)
   (corpus / "new.txt").write_text("a new document " * 10)
   changed = _iterator(corpus)
-  with pytest.raises(identity.DataChanged) as e:
+  with pytest.raises(fingerprint.DataChanged) as e:
     changed.set_state(state)
   message = str(e.value)
   assert "8 of its 10 files gone ('doc2.txt', 'doc3.txt', 'doc4.txt', ...)" \
@@ -371,7 +371,7 @@ def test_a_data_position_is_refused_for_changed_files(tmp_path):
   assert "1 file new ('new.txt')" in message
   assert "1 file changed size ('doc1.txt': 560 -> 700 bytes)" in message
   changed.set_state(state, other_data=True)  # accepted when asked
-  del state["data"]  # a checkpoint from before the identity was kept
+  del state["data"]  # a checkpoint from before the fingerprint was kept
   changed.set_state(state)
 
 

@@ -1,7 +1,9 @@
-"""Training data: corpora and their decoding, tokenizers, packing and validation windows (grain).
+"""Training data: what it reads (sources), what it makes (pipeline), and the tokenizers between (grain).
 
-  files       reading and checking text / JSON-lines files, one-line data errors
-  tokenizers  the byte tokenizer and Hugging Face / SentencePiece ones
-  pipeline    sources (stdlib, files, tfds), packed batch iterators, validation windows
-identity    what a saved data position belongs to: the files and their sizes
+  sources      what is read: one function per data.source (stdlib, files, tfds), the
+               files' decoding and start-up checks, one-line data errors
+  pipeline     what is made: tokens packed into batches, the batch iterator and its
+               state, validation windows
+  tokenizers   the byte tokenizer and Hugging Face / SentencePiece ones
+  fingerprint  the training files' names and sizes: what a saved data position belongs to
 """

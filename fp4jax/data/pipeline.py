@@ -1,4 +1,4 @@
-"""Training data: corpora -> documents -> tokens -> packed windows (grain).
+"""What the data makes: documents -> tokens -> packed windows -> batches (grain).
 
 The global batch has `global_batch` rows. Row r is its own stream: it takes
 every global_batch-th document of the (epoch-shuffled) corpus, starting at
@@ -9,79 +9,33 @@ b = global_batch // process_count, so the processes' shards are disjoint and,
 stacked, are exactly the one-process global batch. The iterator state is the
 rows' grain states (a dict of ints), so a restored run continues exactly.
 
-Sources (data.source):
-  stdlib  the .py files of the running Python's standard library
-          (sysconfig "stdlib"), without site-packages, dist-packages and the
-          test suites (test/, tests/, idle_test/): for CPython 3.11, 734
-          files, 12.1 MB. One file is one document; files in sorted order.
-  files   data.path: a glob of .txt files (one file = one document) or of
-          .jsonl / .json / .jsonl.gz / .json.gz files (one line = one
-          document, its `data.text_key` field), e.g. MLPerf's C4
-          `c4-train.*.json.gz`. JSON lines are streamed, never loaded whole,
-          and read once per process (lines of other processes' rows are
-          skipped unparsed).
-          data.val_path: a glob for validation (C4: `c4-validation.*.json.gz`);
-          when empty, documents are split by hash.
-  tfds    data.path: a TFDS name (e.g. "c4/en:3.0.1") read with
-          tfds.data_source(name, split=data.train_split / data.val_split,
-          data_dir=data.data_dir): random access to a dataset prepared
-          offline in the ArrayRecord format (`tfds build c4/en
-          --file_format=array_record`); reading needs tensorflow-datasets
-          and array_record, not TensorFlow.
-Without a separate validation set, a document is in validation when a stable
-hash (sha256) of its file path (and line number, for JSON lines) falls below
-data.val_fraction. Training epochs repeat endlessly, each with a new shuffle;
-validation is read in order and is the same for every run and recipe:
-`validation_windows` (what the trainer evaluates on) spreads its windows
-evenly through the held-out stream, `validation_batches` packs it from the
-start of each document.
-
-Bad files: a file that cannot be read or decoded, a malformed JSON line, a
-record without the text field, or a corpus without any text raises DataError
-naming the file (and line), at start-up where it is cheap to see (every
-.json.gz is gzip, every file's first record parses and has the field, the
-corpus has text), else when the reader reaches it. data.decode_errors sets
-what invalid UTF-8 becomes: "strict" (default: DataError naming the file and
-byte) or "replace" (U+FFFD, counted in a warning per file).
+What is read (data.source: the stdlib, files, tfds; decoding, start-up
+checks, the hash split into train and validation) is fp4jax.data.sources;
+here its documents become batches. Training epochs repeat endlessly, each
+with a new shuffle; validation is read in order and is the same for every run
+and recipe: `validation_windows` (what the trainer evaluates on) spreads its
+windows evenly through the held-out stream, `validation_batches` packs it
+from the start of each document.
 """
 
-import collections
-import glob
-import gzip
+import functools
 import hashlib
 import math
-import os
-import sysconfig
 
 import grain
 import ml_collections
 import numpy as np
 
-from fp4jax.data import identity as identity_lib
-from fp4jax.data.files import DataError
-from fp4jax.data.files import Replacements
-from fp4jax.data.files import check_json_files
-from fp4jax.data.files import check_text_files
-from fp4jax.data.files import decode_errors_of
-from fp4jax.data.files import open_lines
-from fp4jax.data.files import parse_json
-from fp4jax.data.files import read_error
-from fp4jax.data.files import read_text
-from fp4jax.data.files import text_of
-from fp4jax.data.files import warn_replaced
+from fp4jax.data import fingerprint as fingerprint_lib
+from fp4jax.data import sources
 
-SOURCES = ("stdlib", "files", "tfds")
-TEXT_SUFFIXES = (".txt",)
-JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
-_STDLIB_SKIP = ("site-packages", "dist-packages", "__pycache__", "test",
-                "tests", "idle_test")
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
 
 def data_config():
   """Defaults: the embedded stdlib corpus with the byte tokenizer."""
   return ml_collections.ConfigDict(dict(
-      source="stdlib",      # one of SOURCES
+      source="stdlib",      # one of sources.SOURCES
       path="",              # files: glob; tfds: dataset name
       val_path="",          # files: validation glob ("" = split by hash)
       tokenizer="bytes",    # "bytes", a .model or a tokenizer.json path
@@ -96,139 +50,10 @@ def data_config():
   ))
 
 
-def _in_validation(key, fraction):
-  """Stable split: sha256 of `key` as a number in [0, 1) below `fraction`."""
-  digest = hashlib.sha256(key.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") < fraction * 2**64
-
-
 def _grain_seed(seed):
   """A 32-bit shuffle seed derived from the run seed."""
   digest = hashlib.sha256(f"fp4jax.data/{seed}".encode()).digest()
   return int.from_bytes(digest[:4], "big")
-
-
-def stdlib_files(val_fraction=0.05):
-  """(root, train relpaths, validation relpaths) of the stdlib corpus."""
-  root = sysconfig.get_paths()["stdlib"]
-  paths = []
-  for directory, subdirs, names in os.walk(root):
-    subdirs[:] = sorted(d for d in subdirs if d not in _STDLIB_SKIP)
-    rel = os.path.relpath(directory, root)
-    paths += [os.path.normpath(os.path.join(rel, n)) for n in names
-              if n.endswith(".py")]
-  paths.sort()
-  val = [p for p in paths if _in_validation(p, val_fraction)]
-  train = [p for p in paths if not _in_validation(p, val_fraction)]
-  return root, train, val
-
-
-class _JsonLinesReader:
-  """Streams JSON-lines files once per process for all its rows.
-
-  Epoch e visits `files` in an order shuffled from (seed, e) (as given when
-  seed is None), each file line by line. The documents `keep(relpath, line)`
-  selects are counted over all epochs; document c belongs to row
-  c % global_batch. Documents of this process's rows are queued (unparsed)
-  until their row asks; the others are skipped. A position is a dict
-  (epoch, file: index into the epoch's order, line, count), taken after a
-  document; each row's state is the position after its last document.
-  """
-
-  def __init__(self, files, relpaths, text_key, keep, seed, rows,
-               global_batch, decode_errors="strict"):
-    self.files, self.relpaths, self.text_key = files, relpaths, text_key
-    self.decode_errors = decode_errors
-    self.keep, self.seed, self.global_batch = keep, seed, global_batch
-    start = dict(epoch=0, file=0, line=0, count=0)
-    self.after = {r: dict(start) for r in rows}
-    self.queues = {r: collections.deque() for r in rows}
-    self._pos, self._lines, self._epoch_count = None, None, -1
-
-  def next_text(self, row):
-    """The next document (str) of `row`."""
-    while not self.queues[row]:
-      self._read_line()
-    raw, where, after = self.queues[row].popleft()
-    self.after[row] = after
-    return text_of(parse_json(raw, where), self.text_key, where)
-
-  def restore(self, row, after):
-    """Puts `row` back to position `after`; rereads from the earliest row."""
-    self.after[row] = dict(after)
-    self._close()
-    self._pos = None
-    for queue in self.queues.values():
-      queue.clear()
-
-  def _file_index(self):
-    if self.seed is None:
-      return self._pos["file"]
-    order = np.random.default_rng([self.seed, self._pos["epoch"]]).permutation(
-        len(self.files))
-    return int(order[self._pos["file"]])
-
-  def _read_line(self):
-    if self._pos is None:  # start, or restart after a restore
-      pos = dict(min(self.after.values(), key=lambda p: p["count"]))
-      at_epoch_start = (pos["file"], pos["line"]) == (0, 0)
-      # Count at the epoch's start; unknown (-1) when restarting mid-epoch.
-      self._pos, self._epoch_count = pos, pos["count"] if at_epoch_start else -1
-    pos, index = self._pos, self._file_index()
-    path = self.files[index]
-    before = Replacements.count
-    try:
-      if self._lines is None:
-        self._lines = open_lines(path, self.decode_errors)
-        for _ in range(pos["line"]):
-          self._lines.readline()
-      raw = self._lines.readline()
-    except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as e:
-      self._close()
-      raise read_error(path, pos["line"] + 1, e) from None
-    warn_replaced(path, before)
-    if not raw:
-      self._close()
-      pos["file"], pos["line"] = pos["file"] + 1, 0
-      if pos["file"] == len(self.files):
-        if pos["count"] == self._epoch_count:
-          raise DataError(f"no documents in {self.files} for this split "
-                          "(see data.val_fraction, data.val_path).")
-        pos["epoch"], pos["file"] = pos["epoch"] + 1, 0
-        self._epoch_count = pos["count"]
-      return
-    line = pos["line"]
-    pos["line"] += 1
-    if not raw.strip() or not self.keep(self.relpaths[index], line):
-      return
-    count = pos["count"]
-    pos["count"] += 1
-    row = count % self.global_batch
-    if row in self.queues and count >= self.after[row]["count"]:
-      self.queues[row].append(
-          (raw, f"{self.files[index]} line {line + 1}", dict(pos)))
-
-  def _close(self):
-    if self._lines is not None:
-      self._lines.close()
-      self._lines = None
-
-
-class _JsonLinesRow(grain.DatasetIterator):
-  """The documents (str) of one row, from a shared _JsonLinesReader."""
-
-  def __init__(self, reader, row):
-    super().__init__()
-    self._reader, self._row = reader, row
-
-  def __next__(self):
-    return self._reader.next_text(self._row)
-
-  def get_state(self):
-    return dict(self._reader.after[self._row])
-
-  def set_state(self, state):
-    self._reader.restore(self._row, state)
 
 
 class _PackIterator(grain.DatasetIterator):
@@ -272,17 +97,18 @@ class _PackIterator(grain.DatasetIterator):
 class BatchIterator:
   """Endless (or, for validation, in-order) batches int32[rows, seq_len + 1].
 
-  `get_state()` returns a JSON-serialisable dict (with "data", the identity
-  of the files read: fp4jax.data.identity); `set_state` restores it into an
-  iterator built with the same arguments, and raises identity.DataChanged
-  for a state saved with other files unless `other_data` (a state without
-  "data", from before it was kept, is taken as it is).
+  `get_state()` returns a JSON-serialisable dict (with "data", the
+  fingerprint of the files read: fp4jax.data.fingerprint); `set_state`
+  restores it into an iterator built with the same arguments, and raises
+  fingerprint.DataChanged for a state saved with other files unless
+  `other_data` (a state without "data", from before it was kept, is taken
+  as it is).
   """
 
-  def __init__(self, row_iterators, first_row, global_batch, identity):
+  def __init__(self, row_iterators, first_row, global_batch, fingerprint):
     self._rows = row_iterators
     self._key = dict(first_row=first_row, global_batch=global_batch)
-    self.identity = identity
+    self.fingerprint = fingerprint
 
   def __iter__(self):
     return self
@@ -298,13 +124,13 @@ class BatchIterator:
 
   def get_state(self):
     return dict(self._key, rows=[r.get_state() for r in self._rows],
-                data=self.identity)
+                data=self.fingerprint)
 
   def set_state(self, state, other_data=False):
-    changed = identity_lib.changes(state.get("data", self.identity),
-                                   self.identity)
+    changed = fingerprint_lib.changes(state.get("data", self.fingerprint),
+                                      self.fingerprint)
     if changed and not other_data:
-      raise identity_lib.DataChanged(changed)
+      raise fingerprint_lib.DataChanged(changed)
     given = {k: state.get(k) for k in self._key}
     if given != self._key or len(state["rows"]) != len(self._rows):
       raise ValueError(f"data iterator state for {given} with "
@@ -312,107 +138,6 @@ class BatchIterator:
                        f"iterator ({self._key}, {len(self._rows)} rows).")
     for r, s in zip(self._rows, state["rows"]):
       r.set_state(s)
-
-
-def _glob(pattern, what):
-  files = sorted(f for f in glob.glob(os.path.expanduser(pattern),
-                                      recursive=True) if os.path.isfile(f))
-  if not files:
-    raise FileNotFoundError(
-        f"{what} {pattern!r} matches no files; give a glob of "
-        f"{TEXT_SUFFIXES + JSON_SUFFIXES} files, e.g. "
-        "'/data/c4/en/c4-train.*.json.gz'.")
-  kinds = {f.endswith(TEXT_SUFFIXES) + 2 * f.endswith(JSON_SUFFIXES)
-           for f in files}
-  if kinds not in ({1}, {2}):
-    raise ValueError(
-        f"{what} {pattern!r} must match only .txt files or only JSON-lines "
-        f"files {JSON_SUFFIXES}; got e.g. {files[:3]}.")
-  root = os.path.commonpath([os.path.dirname(os.path.abspath(f))
-                             for f in files])
-  return files, [os.path.relpath(os.path.abspath(f), root) for f in files]
-
-
-def _corpus(cfg, split):
-  """The documents (str) of split "train" or "validation".
-
-  Returns (a grain.MapDataset (random access) or a function
-  (seed, rows, global_batch) -> _JsonLinesReader (streamed), the identity
-  of what it reads: fp4jax.data.identity).
-  """
-  validation = split == "validation"
-  if cfg.source == "stdlib" and (cfg.path or cfg.val_path):
-    raise ValueError("data.source='stdlib' takes no data.path / val_path "
-                     f"(got {cfg.path!r}, {cfg.val_path!r}); use "
-                     "data.source='files' for your own files.")
-  if cfg.source == "stdlib":
-    root, train, val = stdlib_files(cfg.val_fraction)
-    rels = val if validation else train
-    if not rels:
-      raise ValueError(f"the stdlib corpus under {root!r} has no {split} "
-                       f"files (data.val_fraction={cfg.val_fraction}).")
-    return grain.MapDataset.source(rels).map(
-        lambda rel: read_text(os.path.join(root, rel))), identity_lib.of_files(
-            "stdlib", [os.path.join(root, rel) for rel in rels], rels)
-  if cfg.source == "files":
-    if not cfg.path:
-      raise ValueError("data.source='files' needs data.path, a glob such as "
-                       "'/data/c4/en/c4-train.*.json.gz'.")
-    by_hash = not cfg.val_path
-    decode_errors = decode_errors_of(cfg)
-    pattern, what = ((cfg.val_path, "data.val_path") if validation and
-                     not by_hash else (cfg.path, "data.path"))
-    files, rels = _glob(pattern, what)
-    wanted = validation if by_hash else None
-    if files[0].endswith(TEXT_SUFFIXES):
-      chosen = [(f, r) for f, r in zip(files, rels) if wanted is None
-                or _in_validation(r, cfg.val_fraction) == wanted]
-      if not chosen:
-        raise ValueError(f"{what} {pattern!r}: none of its {len(files)} "
-                         f"files falls in {split} (data.val_fraction="
-                         f"{cfg.val_fraction}); add files or set "
-                         "data.val_path.")
-      chosen, chosen_rels = [f for f, _ in chosen], [r for _, r in chosen]
-      check_text_files(chosen)
-      return grain.MapDataset.source(chosen).map(
-          lambda path: read_text(path, decode_errors)), identity_lib.of_files(
-              "files", chosen, chosen_rels)
-    check_json_files(files, cfg.text_key, decode_errors)
-    fraction = cfg.val_fraction
-
-    def keep(rel, line):
-      return wanted is None or _in_validation(f"{rel}:{line}",
-                                              fraction) == wanted
-
-    return (lambda seed, rows, global_batch: _JsonLinesReader(
-        files, rels, cfg.text_key, keep, seed, rows, global_batch,
-        decode_errors)), identity_lib.of_files("files", files, rels)
-  if cfg.source == "tfds":
-    try:
-      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError(
-          "data.source='tfds' needs tensorflow-datasets, which is not "
-          "installed (pip install 'fp4jax[tfds]').") from e
-    if not cfg.path:
-      raise ValueError("data.source='tfds' needs data.path, a TFDS name such "
-                       "as 'c4/en:3.0.1'.")
-    name = cfg.val_split if validation else cfg.train_split
-    try:
-      source = tfds.data_source(cfg.path, split=name,
-                                data_dir=cfg.data_dir or None)
-    except ValueError as e:  # also tfds' DatasetNotFoundError
-      raise ValueError(
-          f"tfds {cfg.path!r} split {name!r} (data.data_dir="
-          f"{cfg.data_dir!r}) cannot be read: {str(e).splitlines()[0]} "
-          "Prepare it offline as ArrayRecord, e.g. `tfds build c4/en "
-          "--file_format=array_record --data_dir=DIR`.") from e
-    text_of(source[0], cfg.text_key, f"tfds {cfg.path!r} split {name!r}")
-    return grain.MapDataset.source(source).map(
-        lambda record: text_of(record, cfg.text_key, cfg.path)), dict(
-            source="tfds", name=cfg.path, split=name, records=len(source))
-  raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
-                   f"{SOURCES}.")
 
 
 def _check_process_split(batch, process_index, process_count):
@@ -432,26 +157,33 @@ def _batches(cfg, tokenizer, split, seed, seq_len, global_batch,
     raise ValueError(f"seq_len ({seq_len}) and the batch size "
                      f"({global_batch}) must be positive.")
   _check_process_split(global_batch, process_index, process_count)
-  corpus, identity = _corpus(cfg, split)
-  bos, eos = np.int32(tokenizer.bos_id), np.int32(tokenizer.eos_id)
-
-  def tokens(text):
-    return np.concatenate([[bos], tokenizer.encode(text), [eos]]).astype(
-        np.int32)
-
+  documents, fingerprint = sources.open_corpus(cfg, split)
   per_process = global_batch // process_count
   first = process_index * per_process
   rows = range(first, first + per_process)
-  shuffle_seed = None if seed is None else _grain_seed(seed)
-  if isinstance(corpus, grain.MapDataset):
-    docs = corpus if seed is None else corpus.shuffle(shuffle_seed)
-    texts = [iter(docs.repeat()[r::global_batch].to_iter_dataset(_NO_THREADS))
-             for r in rows]
-  else:
-    reader = corpus(shuffle_seed, rows, global_batch)
-    texts = [_JsonLinesRow(reader, r) for r in rows]
+  texts = _row_texts(documents, None if seed is None else _grain_seed(seed),
+                     rows, global_batch)
+  tokens = functools.partial(_tokens, tokenizer)
   return BatchIterator([_PackIterator(t, tokens, seq_len + 1) for t in texts],
-                       first, global_batch, identity)
+                       first, global_batch, fingerprint)
+
+
+def _row_texts(documents, shuffle_seed, rows, global_batch):
+  """Endless iterators of documents (str), one per row in `rows`: row r takes
+  documents r, r + global_batch, ... of each epoch (shuffled from
+  `shuffle_seed`, in order when None). documents: as sources.open_corpus."""
+  if not isinstance(documents, grain.MapDataset):
+    return documents.rows(shuffle_seed, rows, global_batch)
+  if shuffle_seed is not None:
+    documents = documents.shuffle(shuffle_seed)
+  return [iter(documents.repeat()[r::global_batch].to_iter_dataset(_NO_THREADS))
+          for r in rows]
+
+
+def _tokens(tokenizer, text):
+  """A document as BOS + tokenizer.encode(text) + EOS: int32[n + 2]."""
+  return np.concatenate([[tokenizer.bos_id], tokenizer.encode(text),
+                         [tokenizer.eos_id]]).astype(np.int32)
 
 
 def train_iterator(data_cfg, tokenizer, *, seq_len, global_batch, seed,
@@ -484,24 +216,14 @@ def _validation_stream(cfg, tokenizer, max_tokens):
   Stops after `max_tokens` tokens or at the end of the split, whichever
   comes first (the split is read once, never repeated).
   """
-  corpus, _ = _corpus(cfg, "validation")
-  if isinstance(corpus, grain.MapDataset):
-    texts = (corpus[i] for i in range(len(corpus)))
+  documents, _ = sources.open_corpus(cfg, "validation")
+  if isinstance(documents, grain.MapDataset):
+    texts = (documents[i] for i in range(len(documents)))
   else:
-    reader = corpus(None, [0], 1)
-
-    def read_once():
-      while True:
-        text = reader.next_text(0)
-        if reader.after[0]["epoch"] > 0:  # wrapped around to the first document
-          return
-        yield text
-
-    texts = read_once()
+    texts = documents.once()
   pieces, total = [], 0
   for text in texts:
-    pieces.append(np.concatenate([[tokenizer.bos_id], tokenizer.encode(text),
-                                  [tokenizer.eos_id]]).astype(np.int32))
+    pieces.append(_tokens(tokenizer, text))
     total += pieces[-1].size
     if total >= max_tokens:
       break

@@ -46,7 +46,7 @@ from fp4jax import errors
 from fp4jax import records
 from fp4jax import schedule
 from fp4jax import sharding
-from fp4jax.data import identity
+from fp4jax.data import fingerprint
 from fp4jax.train import stall
 from fp4jax.train import step as train_step
 from fp4jax.train import workdir as workdir_lib
@@ -199,7 +199,7 @@ def _restore_data_state(batches, saved, step, workdir, override):
 
   A position saved for other training files is refused (ConfigError naming
   what changed) unless `override`, which takes it on the files now there and
-  records that in history/ (fp4jax.data.identity).
+  records that in history/ (fp4jax.data.fingerprint).
   """
   states = saved["processes"]
   if len(states) != jax.process_count():
@@ -209,7 +209,7 @@ def _restore_data_state(batches, saved, step, workdir, override):
   state = states[jax.process_index()]
   try:
     batches.set_state(state)
-  except identity.DataChanged as e:
+  except fingerprint.DataChanged as e:
     if not override:
       raise ConfigError(
           f"the training data changed since the checkpoint at step {step} "
@@ -267,7 +267,7 @@ def train(config, workdir, callbacks=(), *, override_resume=False,
   differing in a key outside workdir.RESUMABLE_KEYS is refused (WorkdirError)
   unless `override_resume`, which continues it with the new values; so is a
   checkpoint whose data position was saved for other training files
-  (fp4jax.data.identity), which `override_resume` continues on the files
+  (fp4jax.data.fingerprint), which `override_resume` continues on the files
   there (both recorded in history/). User errors (config, data, workdir, a
   checkpoint that does not fit, a full disk) raise fp4jax.errors.UserError
   subclasses with a one-line message.

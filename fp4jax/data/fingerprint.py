@@ -1,11 +1,11 @@
-"""What a data position belongs to: the training files and their sizes.
+"""The fingerprint of the training files: what a saved data position belongs to.
 
 A saved data position (fp4jax.data.pipeline's iterator state) only means
-something for the files it was saved with. `of_files` describes them
-({"source", "files": [[relative path, bytes], ...]}, or for TFDS its name,
-split and record count); the iterator keeps that beside its position, and
-restoring it into an iterator over other files raises `DataChanged`, whose
-message says what changed (`changes`).
+something for the files it was saved with. `of_files` fingerprints them
+({"source", "files": [[relative path, bytes], ...]}; a TFDS source's is its
+name, split and record count); the iterator keeps that beside its position,
+and restoring it into an iterator over other files raises `DataChanged`,
+whose message says what changed (`changes`).
 """
 
 import os
@@ -16,7 +16,7 @@ class DataChanged(ValueError):
 
 
 def of_files(source, paths, rels):
-  """The identity of the files `paths` (shown by their `rels`)."""
+  """The fingerprint of the files `paths` (shown by their `rels`)."""
   return dict(source=source, files=[[rel, os.path.getsize(path)]
                                     for path, rel in zip(paths, rels)])
 
@@ -31,7 +31,7 @@ def _files(n):
 
 
 def changes(saved, now):
-  """What differs between two identities, in words ("" when nothing)."""
+  """What differs between two fingerprints, in words ("" when nothing)."""
   if saved == now:
     return ""
   if "files" not in saved or "files" not in now:
