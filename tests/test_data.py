@@ -188,6 +188,8 @@ def test_bad_configs_fail_at_start(tmp_path):
     pipeline.train_iterator(_cfg(source="c5"), TOK, **kw)
   with pytest.raises(ValueError, match="needs data.path"):
     pipeline.train_iterator(_cfg(source="files"), TOK, **kw)
+  with pytest.raises(ValueError, match=r"data.decode_errors 'ignore' is not one of"):
+    pipeline.train_iterator(_cfg(decode_errors="ignore"), TOK, **kw)  # stdlib decodes nothing
   with pytest.raises(ValueError, match="'stdlib' takes no data.path"):
     pipeline.train_iterator(_cfg(path="/data/*.txt"), TOK, **kw)
   missing = str(tmp_path / "c4-train.*.json.gz")
@@ -275,3 +277,18 @@ def test_stdlib_validation_windows_do_not_start_at_file_openings():
                                            num_batches=4))
   assert (first[0, :, 0] == BOS).all()  # the old set: every row opens a file
   assert (got[:, :, 0] == BOS).mean() < 0.1
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.json.gz"])
+def test_invalid_utf8_names_the_line_that_holds_it(tmp_path, name):
+  """Decoding reads ahead of the line asked for; the error names the bad line."""
+  lines = [json.dumps({"text": f"document {i} " * 8}).encode() + b"\n" for i in range(200)]
+  lines[150] = b'{"text": "caf\xe9"}\r\n'
+  lines[3] = lines[3].replace(b"\n", b"\r\n")
+  data = b"".join(lines)
+  (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+  cfg = _cfg(source="files", path=str(tmp_path / name), val_fraction=1e-9)
+  with pytest.raises(ValueError, match=rf"{name} line 151: invalid UTF-8"):
+    batches = pipeline.train_iterator(cfg, TOK, seq_len=8, global_batch=2, seed=None)
+    for _ in range(2000):
+      next(batches)

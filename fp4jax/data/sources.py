@@ -135,9 +135,24 @@ def open_lines(path, decode_errors="strict"):
   return open(path, encoding="utf-8", errors=decode_errors)
 
 
+def _first_undecodable_line(path):
+  """1-based number of the first line of `path` (as open_lines counts them)
+  that is not UTF-8, or None."""
+  try:
+    with open_lines(path, "surrogateescape") as lines:
+      for number, line in enumerate(lines, 1):
+        if any("\udc80" <= c <= "\udcff" for c in line):
+          return number
+  except (OSError, EOFError, gzip.BadGzipFile):
+    pass
+  return None
+
+
 def read_error(path, line, error):
-  """DataError for an exception raised reading `line` (1-based) of `path`."""
+  """DataError for an exception raised reading `line` (1-based) of `path`
+  (for invalid UTF-8, the line that holds it: decoding reads ahead)."""
   if isinstance(error, UnicodeDecodeError):
+    line = _first_undecodable_line(path) or line
     why = (f"invalid UTF-8 ({error.reason}); fix the file or set "
            "data.decode_errors='replace'")
   elif isinstance(error, (EOFError, gzip.BadGzipFile)) or "gzip" in str(
@@ -488,4 +503,5 @@ def open_corpus(cfg, split):
   if cfg.source not in SOURCES:
     raise ValueError(f"unknown data.source {cfg.source!r}; allowed: "
                      f"{tuple(SOURCES)}.")
+  decode_errors_of(cfg)  # checked for every source, not only those that decode
   return SOURCES[cfg.source](cfg, split)
