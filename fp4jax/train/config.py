@@ -17,7 +17,7 @@ turns a config into the model's LlamaConfig and the quantization Recipe;
   model                       model_template(): name (a MODEL_PRESETS key) and
                               LlamaConfig fields (None = the preset's value;
                               vocab_size None = the tokenizer's)
-  data                        fp4jax.data.data_config()
+  data                        fp4jax.data.pipeline.data_config()
   batch_size                  global sequences per step
   micro_batch                 global sequences per gradient-accumulation step
                               (0 = batch_size: no accumulation)
