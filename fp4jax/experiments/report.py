@@ -78,11 +78,6 @@ def run_dir(workdir, recipe, seed, n_seeds):
   return os.path.join(workdir, recipe if n_seeds == 1 else f"{recipe}_seed{seed}")
 
 
-def _read_record(kind, path):
-  """The JSON in `path` checked against records.`kind`, or None when missing."""
-  return records.read(kind, path) if os.path.exists(path) else None
-
-
 def load_run(path, recipe, seed) -> Run | None:
   """The Run in `path` (metrics.jsonl, summary.json, wall.json), or None before its first row."""
   rows = read_metrics(path)
@@ -91,8 +86,8 @@ def load_run(path, recipe, seed) -> Run | None:
   evals = [(r["tokens"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
   tokens_T = np.array([t for t, _ in evals], np.float64)
   loss_T = np.array([l for _, l in evals], np.float64)
-  summary = _read_record(records.Summary, os.path.join(path, "summary.json"))
-  wall = _read_record(records.Wall, os.path.join(path, "wall.json"))
+  summary = records.read_if_present(records.Summary, os.path.join(path, "summary.json"))
+  wall = records.read_if_present(records.Wall, os.path.join(path, "wall.json"))
   skipped = max(int(r.get("skipped_steps") or 0) for r in rows)
   return Run(recipe, seed, path, rows, tokens_T, loss_T, summary and summary["status"],
              skipped, wall and wall["wall_s"], wall and wall.get("environments"))
@@ -582,7 +577,7 @@ def _redraw(workdir, opts):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
                            "--workdir of an ablation")
   where = os.path.join(workdir, "ablation_config.json")
-  saved = _read_record(records.StudyConfig, where) or {}
+  saved = records.read_if_present(records.StudyConfig, where) or {}
   ab = records.check(records.AblationBlock, saved.get("ablation", {}), f"{where}: ablation")
   diag = records.check(records.DiagnosticsBlock, saved.get("diagnostics") or {},
                        f"{where}: diagnostics")
