@@ -127,8 +127,9 @@ def tiny_config(**overrides):
 
 def final_state(workdir):
   """The newest checkpoint's state of a finished run, as numpy arrays."""
-  ckpts = checkpointing.Checkpoints(os.path.join(workdir, "checkpoints"),
-                                    keep=100, async_save=False)
+  ckpts = checkpointing.Checkpoints(
+      os.path.join(workdir, "checkpoints"), keep=100, async_save=False,
+      set_aside_to=os.path.join(workdir, "checkpoints_corrupt"))
   step = ckpts.steps()[-1]
   ckpts.close()
   path = os.path.join(workdir, "checkpoints", str(step), "state")

@@ -229,7 +229,9 @@ def test_damaged_records_the_project_sets_aside_raise_nothing(tmp_path):
     (checkpoints / str(step) / "state").mkdir(parents=True)
     _write(str(checkpoints / str(step) / name), bad)
   assert workdir_lib.checkpoint_config(str(tmp_path / "run")) is None
-  ckpts = checkpointing.Checkpoints(str(checkpoints), keep=3, async_save=False)
+  ckpts = checkpointing.Checkpoints(
+      str(checkpoints), keep=3, async_save=False,
+      set_aside_to=str(tmp_path / "run" / "checkpoints_corrupt"))
   assert ckpts.steps() == [2]  # the two orbax cannot open are set aside at once
   assert sorted(os.listdir(tmp_path / "run" / "checkpoints_corrupt")) == ["0", "1"]
   ckpts.close()

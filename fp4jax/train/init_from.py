@@ -91,7 +91,7 @@ def open_source(path, cfg):
     if not os.path.isdir(path):
       raise hf_llama.ConvertError(f"{path!r} is not a directory")
     is_run = (os.path.isdir(os.path.join(path, "checkpoints"))
-              or os.path.isdir(os.path.join(path, "state")))
+              or checkpointing.is_checkpoint(path))
     return _RunCheckpoint(path, cfg) if is_run else hf_packed.checkpoint(
         path, cfg)
   except hf_llama.ConvertError as e:

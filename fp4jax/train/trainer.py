@@ -366,6 +366,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   abstract = segment_programs[0].abstract
   ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
                       keep=config.keep_checkpoints,
+                      set_aside_to=os.path.join(workdir, "checkpoints_corrupt"),
                       async_save=config.async_checkpointing,
                       data_kind=records.CheckpointData)
   state, controller, tokens_at_start = _first_state(

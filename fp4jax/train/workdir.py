@@ -351,14 +351,13 @@ def usable_config(saved):
 def checkpoint_config(workdir):
   """The config saved with the newest checkpoint that has one, or None.
 
-  Reads checkpoints/<step>/data/metadata (the checkpoint's JSON item, where
-  the trainer keeps the run's resolved config under "config").
+  Reads the checkpoint's JSON item (checkpointing.data_item), where the
+  trainer keeps the run's resolved config under "config".
   """
   directory = os.path.join(workdir, "checkpoints")
   for step in reversed(checkpointing.committed_steps(directory)):
     try:
-      saved = records.read(records.CheckpointData, os.path.join(
-          directory, str(step), "data", "metadata")).get("config")
+      saved = checkpointing.data_item(directory, step, records.CheckpointData).get("config")
     except records.RecordError:
       continue  # an unusable one is set aside when the run restores
     if usable_config(saved):
