@@ -45,6 +45,7 @@ from fp4jax.train import atomic
 from fp4jax.train import export_fp4
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import abstract_params
+from fp4jax.llama.hf import CONFIG_FILE
 from fp4jax.llama.hf import ConvertError
 from fp4jax.llama.hf import hf_config
 from fp4jax.llama.hf import INDEX_FILE
@@ -343,7 +344,7 @@ def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
   table = tensor_table(cfg)
   if packed and packed.quantization_config(table):
     hf["quantization_config"] = packed.quantization_config(table)
-  with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+  with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
   if packed and packed.modelopt_config(table):
     with open(os.path.join(out_dir, export_fp4.MODELOPT_CONFIG), "w",
