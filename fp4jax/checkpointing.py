@@ -1,13 +1,15 @@
 """Checkpoints of a training run with orbax: save, keep the last few, restore.
 
 A checkpoint holds two items: `state` (the TrainState pytree, saved sharded)
-and `data` (the data iterator's JSON state). A checkpoint that cannot be read
-is moved aside to `<directory>/../checkpoints_corrupt/<step>` (`<step>.2`,
-... when that name is taken: nothing there is ever replaced) with a warning
-and the previous one is tried, so a run killed while writing, or a damaged
-disk, costs at most one checkpoint interval. A readable checkpoint whose
-arrays do not fit the requested state (another model shape or optimizer) is
-not corrupt: `CheckpointMismatch` is raised and it stays where it is.
+and `data` (the data iterator's JSON state: `data_item` reads it); orbax's
+folder names stay in this module (`is_checkpoint`, `committed_steps`). A
+checkpoint that cannot be read is moved aside to `<set_aside_to>/<step>`
+(`<step>.2`, ... when that name is taken: nothing there is ever replaced)
+with a warning and the previous one is tried, so a run killed while
+writing, or a damaged disk, costs at most one checkpoint interval. A
+readable checkpoint whose arrays do not fit the requested state (another
+model shape or optimizer) is not corrupt: `CheckpointMismatch` is raised
+and it stays where it is.
 
 A save that fails for lack of space, at once or (asynchronous saves) in the
 background, raises errors.DiskFull naming the directory and the size of the
@@ -40,7 +42,6 @@ try:  # orbax's reader of a step's _CHECKPOINT_METADATA (its own checks)
 except ImportError:  # another orbax layout: orbax alone judges the file
   _read_step_metadata = None
 
-_ITEMS = ("state", "data")
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -164,10 +165,13 @@ def _mismatch(saved, wanted):
 class Checkpoints:
   """A directory of step-numbered checkpoints, the last `keep` of them kept."""
 
-  def __init__(self, directory, *, keep, async_save=True, data_kind=None):
-    """data_kind: None, or the fp4jax.records kind the `data` item must fit
+  def __init__(self, directory, *, keep, set_aside_to, async_save=True,
+               data_kind=None):
+    """set_aside_to: the folder unreadable checkpoints are moved to.
+    data_kind: None, or the fp4jax.records kind the `data` item must fit
     (one that does not is set aside like an unreadable checkpoint)."""
     self.directory = os.path.abspath(directory)
+    self._set_aside_to = set_aside_to
     self._data_kind = data_kind
     self._nbytes = None  # of the last state saved
     self._pending = False  # an asynchronous save not yet checked
@@ -252,7 +256,7 @@ class Checkpoints:
                   data=ocp.args.JsonRestore()))
         if self._data_kind is not None:
           records.check(self._data_kind, restored["data"],
-                        f"{self.directory}/{step}/data/metadata")
+                        _data_item_file(self.directory, step))
       except Exception as e:  # pylint: disable=broad-except
         # Orbax and tensorstore raise many types for unreadable files.
         self._set_aside(step, _first_cause(e))
@@ -282,8 +286,7 @@ class Checkpoints:
   def _set_aside(self, step, why):
     """Moves an unreadable checkpoint out of the way, with a warning."""
     src = os.path.join(self.directory, str(step))
-    dst_dir = os.path.join(os.path.dirname(self.directory),
-                           "checkpoints_corrupt")
+    dst_dir = self._set_aside_to
     os.makedirs(dst_dir, exist_ok=True)
     dst, n = os.path.join(dst_dir, str(step)), 1
     while os.path.exists(dst):
@@ -324,6 +327,11 @@ def _step_metadata_problem(step_dir):
   return ""
 
 
+def is_checkpoint(path):
+  """True when `path` is the folder of one checkpoint (it holds the state item)."""
+  return os.path.isdir(os.path.join(path, "state"))
+
+
 def committed_steps(directory):
   """Steps of the committed checkpoints under `directory`, oldest first.
 
@@ -333,8 +341,19 @@ def committed_steps(directory):
   if not os.path.isdir(directory):
     return []
   return sorted(int(name) for name in os.listdir(directory)
-                if name.isdigit() and
-                os.path.isdir(os.path.join(directory, name, "state")))
+                if name.isdigit() and is_checkpoint(os.path.join(directory, name)))
+
+
+def _data_item_file(directory, step):
+  """The file of checkpoint `step`'s JSON item (orbax's JsonCheckpointHandler)."""
+  return os.path.join(directory, str(step), "data", "metadata")
+
+
+def data_item(directory, step, kind):
+  """The JSON item of checkpoint `step` under `directory` (what `save` got as
+  data_state), read without a manager and checked against records.`kind`;
+  records.RecordError when it is missing, unreadable or of another shape."""
+  return records.read(kind, _data_item_file(directory, step))
 
 
 class CheckpointUnreadable(errors.UserError):

@@ -7,7 +7,7 @@ and raises RecordError, one line naming the file (`where`) and the first
 field that does not ("field 'step' must be an integer, got 'x'"). A field
 with a default may be missing; fields a kind does not name are allowed (the
 files grow). `read(Kind, path)` also turns a missing, unreadable or
-non-JSON file into a RecordError. Annotations: int, float (ints accepted),
+non-JSON file into a RecordError (`read_if_present`: None when missing). Annotations: int, float (ints accepted),
 str, bool, dict, list (or tuple), Any, `X | None`, `dict[str, X]` and
 `list[X]`. Kinds whose module has a dataclass of that file already (a
 study's declaration: fp4jax.experiments.declaration) are checked with it.
@@ -111,6 +111,11 @@ def read(kind, path):
   except (OSError, ValueError) as e:
     raise RecordError(f"{path}: cannot be read as JSON ({e})") from None
   return check(kind, value, path)
+
+
+def read_if_present(kind, path):
+  """`read(kind, path)`, or None when there is no file at `path`."""
+  return read(kind, path) if os.path.exists(path) else None
 
 
 def inside(folder, name) -> bool:

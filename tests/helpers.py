@@ -17,6 +17,7 @@ from fp4jax import backends, checkpointing, recipes
 from fp4jax.backends import native
 from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
+from fp4jax.train import run_layout
 
 # --- data ---------------------------------------------------------------------
 
@@ -127,8 +128,9 @@ def tiny_config(**overrides):
 
 def final_state(workdir):
   """The newest checkpoint's state of a finished run, as numpy arrays."""
-  ckpts = checkpointing.Checkpoints(os.path.join(workdir, "checkpoints"),
-                                    keep=100, async_save=False)
+  ckpts = checkpointing.Checkpoints(run_layout.checkpoints(workdir), keep=100,
+                                    async_save=False,
+                                    set_aside_to=run_layout.corrupt_checkpoints(workdir))
   step = ckpts.steps()[-1]
   ckpts.close()
   path = os.path.join(workdir, "checkpoints", str(step), "state")

@@ -30,6 +30,7 @@ from fp4jax.train import config as train_config
 from fp4jax.train import export
 from fp4jax.train import metrics_log
 from fp4jax.train import plot
+from fp4jax.train import run_layout
 from fp4jax.train import stall
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
@@ -568,7 +569,7 @@ def test_a_workdir_that_is_a_dangling_symlink_is_named(tmp_path):
 
 def test_a_run_records_its_tokenizer_with_the_checkpoint(trained):
   """What the resume and export checks compare (tokenizers.identity)."""
-  saved = workdir_lib.checkpoint_config(str(trained))
+  saved = run_layout.checkpoint_config(str(trained))
   assert saved["resolved"]["tokenizer"] == dict(path="bytes", sha256=None)
   assert json.loads((trained / "config.json").read_text())["resolved"]["tokenizer"] == (
       saved["resolved"]["tokenizer"])

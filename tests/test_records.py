@@ -31,6 +31,7 @@ from fp4jax.train import cli
 from fp4jax.train import export
 from fp4jax.train import metrics_log
 from fp4jax.train import plot
+from fp4jax.train import run_layout
 from fp4jax.train import workdir as workdir_lib
 
 ROWS = [dict(step=0, tokens=0, eval_loss=5.0), dict(step=2, tokens=20, loss=4.0, eval_loss=4.5)]
@@ -228,8 +229,10 @@ def test_damaged_records_the_project_sets_aside_raise_nothing(tmp_path):
                                       ("data/metadata", '{"processes": 3}'))):
     (checkpoints / str(step) / "state").mkdir(parents=True)
     _write(str(checkpoints / str(step) / name), bad)
-  assert workdir_lib.checkpoint_config(str(tmp_path / "run")) is None
-  ckpts = checkpointing.Checkpoints(str(checkpoints), keep=3, async_save=False)
+  assert run_layout.checkpoint_config(str(tmp_path / "run")) is None
+  ckpts = checkpointing.Checkpoints(
+      str(checkpoints), keep=3, async_save=False,
+      set_aside_to=run_layout.corrupt_checkpoints(str(tmp_path / "run")))
   assert ckpts.steps() == [2]  # the two orbax cannot open are set aside at once
   assert sorted(os.listdir(tmp_path / "run" / "checkpoints_corrupt")) == ["0", "1"]
   ckpts.close()

@@ -140,7 +140,8 @@ def test_sigkill_then_resume_is_bitwise_equal_to_an_uninterrupted_run(
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
   directory = str(tmp_path / "checkpoints")
-  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False)
+  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False,
+                                    set_aside_to=str(tmp_path / "checkpoints_corrupt"))
   state = {"w": np.arange(6, dtype=np.float32), "step": np.int32(0)}
   for step in (1, 2):
     ckpts.save(step, {"w": state["w"] * step, "step": np.int32(step)},
@@ -193,7 +194,8 @@ def _damage(step_dir, kind):
 def test_each_kind_of_damage_restores_without_a_traceback(
     tmp_path, capfd, kind, restored_step):
   directory = str(tmp_path / "checkpoints")
-  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False)
+  ckpts = checkpointing.Checkpoints(directory, keep=3, async_save=False,
+                                    set_aside_to=str(tmp_path / "checkpoints_corrupt"))
   rng = np.random.default_rng(0)  # random: too big to be inlined in OCDBT
   state = {f"w{i}": rng.standard_normal((64, 32), np.float32)
            for i in range(6)}

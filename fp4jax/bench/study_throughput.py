@@ -30,6 +30,7 @@ from fp4jax import errors
 from fp4jax.experiments import ablation
 from fp4jax.experiments import parallel
 from fp4jax.train import cli
+from fp4jax.train import run_layout
 
 LAYOUTS = {"one at a time": dict(cpus_per_run=0, parallel=0),
            "side by side": dict(cpus_per_run=1, parallel=0)}
@@ -48,7 +49,7 @@ def parser():
 
 
 def _rows(path):
-  with open(os.path.join(path, "metrics.jsonl")) as f:
+  with open(run_layout.metrics_file(path)) as f:
     return [json.loads(line) for line in f]
 
 
@@ -69,7 +70,7 @@ def measure(config, workdir, layout):
   ablation.run_ablation(config, workdir)
   wall = time.time() - t0
   runs = sorted(d for d in os.listdir(workdir) if os.path.isfile(
-      os.path.join(workdir, d, "metrics.jsonl")))
+      run_layout.metrics_file(os.path.join(workdir, d))))
   steps = [r["step_time_s"] for run in runs for r in _rows(os.path.join(workdir, run))
            if "step_time_s" in r and r["step"] > min(20, config.steps // 2)]
   return dict(wall_s=wall, runs=len(runs), runs_per_hour=3600 * len(runs) / wall,

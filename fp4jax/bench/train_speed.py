@@ -19,7 +19,6 @@ tokens (a CPU dry run).
 
 import argparse
 import json
-import os
 import tempfile
 import types
 
@@ -27,6 +26,7 @@ import jax
 
 from fp4jax.train import cli
 from fp4jax.train import config as train_config
+from fp4jax.train import run_layout
 from fp4jax.train import throughput
 from fp4jax.train import trainer
 from fp4jax.experiments import ablation
@@ -58,8 +58,7 @@ def measure(cfg, peak_tflops, config_steps=None):
   """
   with tempfile.TemporaryDirectory() as workdir:
     summary = trainer.train(cfg, workdir)
-    with open(os.path.join(workdir, "config.json")) as f:
-      resolved = json.load(f)["resolved"]
+    resolved = run_layout.saved_config(workdir)[0]["resolved"]
   stats = jax.devices()[0].memory_stats() or {}
   fpt = throughput.flops_per_token(summary["n_params"],
                                    types.SimpleNamespace(**resolved["model"]), cfg.seq_len)

@@ -85,11 +85,11 @@ from fp4jax.train import cli
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax import diagnostics
-from fp4jax import records
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax import recipes as recipes_lib
 from fp4jax.train import config as train_config
+from fp4jax.train import run_layout
 from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
@@ -205,16 +205,8 @@ def diagnostics_callback(config, cfg):
 
 
 def _status(path):
-  summary = os.path.join(path, "summary.json")
-  if not os.path.exists(summary):
-    return None
-  return records.read(records.Summary, summary)["status"]
-
-
-def _wall(path):
-  """WORKDIR/<run>/wall.json, or None before the run's first attempt ended."""
-  file = os.path.join(path, "wall.json")
-  return records.read(records.Wall, file) if os.path.exists(file) else None
+  summary = run_layout.read_summary(path)
+  return summary and summary["status"]
 
 
 def _add_wall(path, seconds, made_by):
@@ -222,13 +214,13 @@ def _add_wall(path, seconds, made_by):
   and records `made_by` (code_version.current) there, its environment added
   to those of the earlier attempts."""
   os.makedirs(path, exist_ok=True)  # a run that failed at start made none
-  saved = _wall(path) or {"wall_s": 0.0}
+  saved = run_layout.read_wall(path) or {"wall_s": 0.0}
   made_by = dict(made_by)
   environments = list(saved.get("environments") or [])
   if made_by["environment"] not in environments:
     environments.append(made_by["environment"])
   del made_by["environment"]
-  atomic.write_text(os.path.join(path, "wall.json"), json.dumps(
+  atomic.write_text(run_layout.wall_file(path), json.dumps(
       {"wall_s": saved["wall_s"] + seconds, **made_by, "environments": environments}))
 
 
@@ -320,7 +312,8 @@ def _other_config(config, workdir, results, runs) -> str:
       return f"its finished run {done} has no config.json the trainer wrote"
     if diffs:
       return f"its finished run {done}: {study_config.shown(diffs)}"
-    made = code_version.mismatch(_wall(done) or {}, code_version.current(_run_cpus(config)))
+    made = code_version.mismatch(run_layout.read_wall(done) or {},
+                                 code_version.current(_run_cpus(config)))
     if made:
       return f"its finished run {done} was made by other code or cores: {made}"
   return ""
@@ -430,13 +423,13 @@ def _train_in_child(config, arm, seed, path, verbosity):
 
 def _train(config, arm, seed, path):
   made_by = code_version.current(len(os.sched_getaffinity(0)))
-  differs = code_version.mismatch(_wall(path) or {}, made_by)
+  differs = code_version.mismatch(run_layout.read_wall(path) or {}, made_by)
   if differs:
     raise errors.UserError(
         f"the interrupted run {path} was begun with other code or cores ({differs}); a "
         "run is made by one code version on one core count: remove the folder to "
         "train it anew, or resume it as it was begun")
-  moved = code_version.environment_changes(_wall(path) or {}, made_by)
+  moved = code_version.environment_changes(run_layout.read_wall(path) or {}, made_by)
   if moved:
     print(f"ablation: {path} was begun in another environment ({moved}); resumed here, "
           "its wall.json lists both", flush=True)

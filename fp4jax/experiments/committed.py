@@ -19,8 +19,9 @@ import subprocess
 
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import run_layout
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "config.json", "wall.json")
+RUN_FILES = run_layout.RECORDS + (run_layout.WALL,)
 MANIFEST = "MANIFEST.json"
 FINISHED = ("completed", "target_reached", "diverged")
 
@@ -40,7 +41,7 @@ def is_complete(run_dir) -> bool:
       return False
     if any(_sha256(os.path.join(run_dir, name)) != digest for name, digest in files.items()):
       return False
-    summary = records.read(records.Summary, os.path.join(run_dir, "summary.json"))
+    summary = records.read(records.Summary, run_layout.summary_file(run_dir))
   except (OSError, records.RecordError):
     return False
   return summary["status"] in FINISHED

@@ -31,6 +31,7 @@ from fp4jax.experiments import plots
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
 from fp4jax.experiments import verdicts
+from fp4jax.train import run_layout
 from fp4jax.train.metrics_log import read_metrics
 
 # Extra tokens vs FP8 to reach the target, Llama 3.1-8B on C4 (arXiv 2605.09825;
@@ -78,11 +79,6 @@ def run_dir(workdir, recipe, seed, n_seeds):
   return os.path.join(workdir, recipe if n_seeds == 1 else f"{recipe}_seed{seed}")
 
 
-def _read_record(kind, path):
-  """The JSON in `path` checked against records.`kind`, or None when missing."""
-  return records.read(kind, path) if os.path.exists(path) else None
-
-
 def load_run(path, recipe, seed) -> Run | None:
   """The Run in `path` (metrics.jsonl, summary.json, wall.json), or None before its first row."""
   rows = read_metrics(path)
@@ -91,8 +87,8 @@ def load_run(path, recipe, seed) -> Run | None:
   evals = [(r["tokens"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
   tokens_T = np.array([t for t, _ in evals], np.float64)
   loss_T = np.array([l for _, l in evals], np.float64)
-  summary = _read_record(records.Summary, os.path.join(path, "summary.json"))
-  wall = _read_record(records.Wall, os.path.join(path, "wall.json"))
+  summary = run_layout.read_summary(path)
+  wall = run_layout.read_wall(path)
   skipped = max(int(r.get("skipped_steps") or 0) for r in rows)
   return Run(recipe, seed, path, rows, tokens_T, loss_T, summary and summary["status"],
              skipped, wall and wall["wall_s"], wall and wall.get("environments"))
@@ -103,7 +99,7 @@ def load_runs(workdir, recipes=None) -> dict:
   found = {}
   for name in sorted(os.listdir(workdir)):
     path = os.path.join(workdir, name)
-    if name.startswith(".") or not os.path.isfile(os.path.join(path, "metrics.jsonl")):
+    if name.startswith(".") or not os.path.isfile(run_layout.metrics_file(path)):
       continue  # hidden: a results folder's copy in progress (committed.publish)
     match = _SEED_DIR.fullmatch(name)
     recipe, seed = (match.group(1), int(match.group(2))) if match else (name, None)
@@ -509,7 +505,7 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   without one the table has no verdicts).
   """
   runs = load_runs(workdir, recipes)
-  if not runs and os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+  if not runs and os.path.isfile(run_layout.metrics_file(workdir)):
     parent = os.path.dirname(os.path.abspath(workdir))
     raise errors.UserError(
         f"{workdir!r} is the folder of one run (it holds metrics.jsonl); give "
@@ -582,7 +578,7 @@ def _redraw(workdir, opts):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
                            "--workdir of an ablation")
   where = os.path.join(workdir, "ablation_config.json")
-  saved = _read_record(records.StudyConfig, where) or {}
+  saved = records.read_if_present(records.StudyConfig, where) or {}
   ab = records.check(records.AblationBlock, saved.get("ablation", {}), f"{where}: ablation")
   diag = records.check(records.DiagnosticsBlock, saved.get("diagnostics") or {},
                        f"{where}: diagnostics")

@@ -21,6 +21,7 @@ import os
 
 from fp4jax import records
 from fp4jax.train import atomic
+from fp4jax.train import run_layout
 from fp4jax.train import workdir as workdir_lib
 
 RECORD = "ablation_config.json"
@@ -75,9 +76,8 @@ def run_differences(run_path, cfg):
   """The differences of the trainer config `cfg` from the one the finished
   run in `run_path` was trained with (its config.json, "resolved" left
   out); None when that is missing or not a config the trainer wrote."""
-  try:
-    saved = records.read(records.RunConfig, os.path.join(run_path, "config.json"))
-  except records.RecordError:
+  saved, problem = run_layout.saved_config(run_path)
+  if problem:
     return None
   saved = {k: v for k, v in saved.items() if k != "resolved"}
   return differences(saved, _plain(cfg))

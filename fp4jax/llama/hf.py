@@ -38,6 +38,7 @@ from fp4jax import sharding as sharding_lib
 
 # safetensors dtype codes we read (converted exactly to float32).
 READ_DTYPES = ("F32", "BF16", "F16")
+CONFIG_FILE = "config.json"  # a Hugging Face model directory's (not a run's)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _SCALING_FIELDS = ("rope_low_freq_factor", "rope_high_freq_factor",
@@ -304,7 +305,7 @@ class HfCheckpoint:
 
   def __init__(self, directory, cfg):
     self.directory, self.cfg = directory, cfg
-    config_path = os.path.join(directory, "config.json")
+    config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(config_path):
       raise ConvertError(f"{directory!r} is not a Hugging Face checkpoint "
                          "(no config.json)")

@@ -62,7 +62,7 @@ def _layout(directory):
       raise ConvertError(f"{path}: quant_algo {algo!r} is not read; allowed: "
                          "'NVFP4'")
     return "modelopt", 16, None, ()
-  path = os.path.join(directory, "config.json")
+  path = os.path.join(directory, hf.CONFIG_FILE)
   if not os.path.isfile(path):
     return None
   quant = hf.read_json(path, "config").get("quantization_config")

@@ -4,6 +4,7 @@
   step         loss, optimizer, learning-rate schedule, the jitted train / eval steps
   trainer      the loop: start or resume, train, evaluate, checkpoint, summarize
   workdir      the run folder: lock, resume-config check, history
+  run_layout   the run folder's file names, spelled once, and their readers
   metrics_log  metrics.jsonl (and TensorBoard) writer and reader
   adaptive     switching a block's Wgrad to FP8/BF16 on its measured SNR
   init_from    initial weights from a Hugging Face directory or another run

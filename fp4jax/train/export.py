@@ -43,8 +43,10 @@ from fp4jax import errors
 from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import export_fp4
+from fp4jax.train import run_layout
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import abstract_params
+from fp4jax.llama.hf import CONFIG_FILE
 from fp4jax.llama.hf import ConvertError
 from fp4jax.llama.hf import hf_config
 from fp4jax.llama.hf import INDEX_FILE
@@ -64,11 +66,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json",
 
 def run_config(run_dir):
   """(resolved config dict, LlamaConfig) of an fp4jax run directory."""
-  path = os.path.join(run_dir, "config.json")
+  path = run_layout.config_file(run_dir)
   if not os.path.isfile(path):
     raise ConvertError(f"{run_dir!r} is not an fp4jax run directory (no "
                        "config.json)")
-  config = records.check(records.RunConfig, read_json(path, "run config"), path)
+  config = run_layout.check_config(read_json(path, "run config"), path)
   fields = records.check(records.Resolved, config["resolved"], f"{path}: resolved")["model"]
   fields = {k: tuple(v) if isinstance(v, list) else v
             for k, v in fields.items()}
@@ -80,7 +82,7 @@ def run_config(run_dir):
 
 def run_step(run_dir, step=None):
   """The checkpoint step to read: `step`, or the run's newest."""
-  directory = os.path.join(run_dir, "checkpoints")
+  directory = run_layout.checkpoints(run_dir)
   steps = checkpointing.committed_steps(directory)
   if not steps:
     raise ConvertError(f"{run_dir!r} has no checkpoint under {directory!r}")
@@ -281,7 +283,7 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   config, cfg = run_config(run_dir)
   # A damaged newest checkpoint: the newest readable one (unless --step).
   step, params = checkpointing.restore_params_newest(
-      os.path.join(run_dir, "checkpoints"), run_step(run_dir, step),
+      run_layout.checkpoints(run_dir), run_step(run_dir, step),
       abstract_params(cfg), fall_back=step is None)
   packed = None if quantize is None else export_fp4.PackedExport(
       config, cfg, step, quantize, layout or "compressed-tensors", fused_scale,
@@ -343,7 +345,7 @@ def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
   table = tensor_table(cfg)
   if packed and packed.quantization_config(table):
     hf["quantization_config"] = packed.quantization_config(table)
-  with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+  with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
   if packed and packed.modelopt_config(table):
     with open(os.path.join(out_dir, export_fp4.MODELOPT_CONFIG), "w",

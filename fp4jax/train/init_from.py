@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from fp4jax import checkpointing
 from fp4jax.train import export
+from fp4jax.train import run_layout
 from fp4jax.llama import hf as hf_llama
 from fp4jax.llama import hf_packed
 from fp4jax.train.config import ConfigError
@@ -33,14 +34,9 @@ class _RunCheckpoint:
   """The parameters of one checkpoint of an fp4jax run."""
 
   def __init__(self, path, cfg):
-    run_dir, step = path, None  # step: the checkpoints/<step> given, if one
-    parent = os.path.dirname(os.path.normpath(path))
-    if (os.path.basename(os.path.normpath(path)).isdigit()
-        and os.path.basename(parent) == "checkpoints"):
-      run_dir, step = os.path.dirname(parent), int(os.path.basename(
-          os.path.normpath(path)))
+    run_dir, step = run_layout.run_of_checkpoint(path)  # step: None for a run
     _, theirs = export.run_config(run_dir)
-    where = os.path.join(run_dir, "config.json")
+    where = run_layout.config_file(run_dir)
     hf_llama.check_model_fields(
         cfg, {k: getattr(theirs, k) for k in hf_llama.MODEL_FIELDS}, where)
     if theirs.scan_layers != cfg.scan_layers:
@@ -48,7 +44,7 @@ class _RunCheckpoint:
           f"{where}: model.scan_layers is {cfg.scan_layers} in this config "
           f"but {theirs.scan_layers} in the checkpoint; set "
           f"--config.model.scan_layers={theirs.scan_layers}")
-    self.directory = os.path.join(run_dir, "checkpoints")
+    self.directory = run_layout.checkpoints(run_dir)
     self.step = export.run_step(run_dir, step)
     self._fall_back = step is None
 
@@ -90,9 +86,7 @@ def open_source(path, cfg):
   try:
     if not os.path.isdir(path):
       raise hf_llama.ConvertError(f"{path!r} is not a directory")
-    is_run = (os.path.isdir(os.path.join(path, "checkpoints"))
-              or os.path.isdir(os.path.join(path, "state")))
-    return _RunCheckpoint(path, cfg) if is_run else hf_packed.checkpoint(
-        path, cfg)
+    return _RunCheckpoint(path, cfg) if run_layout.is_run_or_checkpoint(
+        path) else hf_packed.checkpoint(path, cfg)
   except hf_llama.ConvertError as e:
     raise ConfigError(f"bad config: config.init_from: {e}") from e

@@ -17,6 +17,7 @@ import time
 from fp4jax import errors
 from fp4jax import records
 from fp4jax.train import atomic
+from fp4jax.train import run_layout
 
 
 class MetricsError(errors.UserError):
@@ -30,7 +31,7 @@ def read_metrics(workdir):
   skipped; MetricsError names any other line that does not, and any row
   that is not a records.MetricsRow (a step that is not an integer, ...).
   """
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = run_layout.metrics_file(workdir)
   if not os.path.exists(path):
     return []
   with open(path) as f:
@@ -112,7 +113,7 @@ class MetricsLog:
                sinks=()):
     self.enabled = enabled
     self.total_steps = total_steps
-    self._path = os.path.join(workdir, "metrics.jsonl")
+    self._path = run_layout.metrics_file(workdir)
     self._tty = sys.stdout.isatty()
     self._t0 = time.time()
     self._start_step = start_step
@@ -120,7 +121,7 @@ class MetricsLog:
     self._sinks = tuple(sinks)
     if enabled:
       _truncate_after(self._path, start_step if start_step else -1)
-      self._tb = _tensorboard_writer(os.path.join(workdir, "tensorboard"))
+      self._tb = _tensorboard_writer(run_layout.tensorboard(workdir))
 
   def write(self, row):
     """Appends one row (a dict with at least "step") and shows progress."""

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import run_layout
 from fp4jax.train.metrics_log import read_metrics
 
 
@@ -41,9 +42,7 @@ def eval_curve(workdir):
 def _label(workdir):
   name = os.path.basename(os.path.normpath(workdir))
   try:
-    path = os.path.join(workdir, "config.json")
-    resolved = records.read(records.RunRecipe, path)["resolved"]
-    recipe = records.check(records.ResolvedRecipe, resolved, path)["recipe"].get("name")
+    recipe = run_layout.recipe_name(workdir)
   except records.RecordError:
     return name
   return name if recipe == name else f"{name} ({recipe})"

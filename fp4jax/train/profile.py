@@ -9,10 +9,10 @@ where TensorBoard's profile plugin (`tensorboard --logdir
 WORKDIR/tensorboard`) and xprof find it.
 """
 
-import os
-
 import jax
 import ml_collections
+
+from fp4jax.train import run_layout
 
 
 def profile_config():
@@ -35,7 +35,7 @@ class Window:
   """
 
   def __init__(self, config, workdir, first_step):
-    self.logdir = os.path.join(workdir, "tensorboard")
+    self.logdir = run_layout.tensorboard(workdir)
     self._on = config.enabled and config.steps > 0
     self._start = config.start_step or first_step + 1
     self._stop = self._start + config.steps - 1

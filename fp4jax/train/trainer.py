@@ -14,7 +14,7 @@ random, so a run (and a resumed run) is bitwise reproducible on CPU.
 
 Workdir: config.json (the resolved config), metrics.jsonl, tensorboard/,
 checkpoints/<step>/, summary.json, lock (while a run holds it), history/
-(records a restart set aside). A workdir that holds a checkpoint resumes from
+(records a restart set aside): fp4jax.train.run_layout names them. A workdir that holds a checkpoint resumes from
 its newest readable one, with the config it was started with: see
 fp4jax.train.workdir for the keys that may change and the lock.
 """
@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -38,6 +37,7 @@ from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
 from fp4jax.train import profile
+from fp4jax.train import run_layout
 from fp4jax.train import throughput
 from fp4jax.train import wandb_log
 from fp4jax.llama import block_check
@@ -363,8 +363,9 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
       switch_wgrad_to=adaptive.switch_target(config.adaptive_wgrad, seg.recipe))
       for seg in segs]
   abstract = segment_programs[0].abstract
-  ckpts = Checkpoints(os.path.join(workdir, "checkpoints"),
+  ckpts = Checkpoints(run_layout.checkpoints(workdir),
                       keep=config.keep_checkpoints,
+                      set_aside_to=run_layout.corrupt_checkpoints(workdir),
                       async_save=config.async_checkpointing,
                       data_kind=records.CheckpointData)
   state, controller, tokens_at_start = _first_state(
@@ -379,7 +380,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                  jax.tree.leaves(abstract.params))
   resolved = _resolved_config(config, model_cfg, segs, mesh, n_params, start)
   if main:
-    workdir_lib.write_json(os.path.join(workdir, "config.json"), resolved)
+    workdir_lib.write_json(run_layout.config_file(workdir), resolved)
   checkpoint_data = functools.partial(_checkpoint_data, batches, controller,
                                       resolved, tokens_at)
   print(f"fp4jax: model {config.model.name} ({n_params:,} params), recipe "
@@ -430,7 +431,7 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   if controller is not None:
     summary["wgrad_switches"] = controller.switches()
   if main:
-    workdir_lib.write_json(os.path.join(workdir, "summary.json"), summary)
+    workdir_lib.write_json(run_layout.summary_file(workdir), summary)
     _print_summary(summary)
   return summary
 
@@ -491,7 +492,7 @@ class _TokenCount:
 def _checkpoint_data(batches, controller, resolved, tokens_at, step):
   """The checkpoint's JSON item at `step`: data positions, the adaptive
   switch's decisions, the tokens trained and the run's resolved config (what
-  the resume check reads: fp4jax.train.workdir.checkpoint_config)."""
+  the resume check reads: fp4jax.train.run_layout.checkpoint_config)."""
   out = dict(_data_states(batches), config=resolved, tokens=tokens_at(step))
   if controller is not None:
     out["adaptive_wgrad"] = controller.decisions.state_dict()

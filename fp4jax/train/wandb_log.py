@@ -13,6 +13,8 @@ import uuid
 
 import ml_collections
 
+from fp4jax.train import run_layout
+
 
 def wandb_config():
   return ml_collections.ConfigDict(dict(enabled=False, project="fp4jax", name=""))
@@ -32,7 +34,7 @@ def open_run(config, workdir, run_config):
   run_config: the resolved config (a dict), shown as the run's config.
   """
   import wandb  # pylint: disable=g-import-not-at-top
-  id_path = os.path.join(workdir, "wandb_id")
+  id_path = run_layout.wandb_id_file(workdir)
   if os.path.exists(id_path):
     with open(id_path) as f:
       run_id = f.read().strip()

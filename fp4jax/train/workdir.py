@@ -9,7 +9,8 @@
   multi-host run share the workdir: process 0 takes the lock with a run id it
   broadcasts to the others, who check that the lock holds that id.
 - `check_resume_config`: a workdir belongs to the config its checkpoints
-  carry (config.json for checkpoints from before they carried it). Only the
+  carry (config.json for checkpoints from before they carried it; both read
+  by fp4jax.train.run_layout, which names every file of a workdir). Only the
   keys in RESUMABLE_KEYS may differ when it is run again; any other
   difference is refused (naming the keys and the values in effect) unless
   the caller overrides, which is recorded in history/<n>/resume_override.json.
@@ -42,6 +43,7 @@ from fp4jax import errors
 from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import metrics_log
+from fp4jax.train import run_layout
 
 # Config keys that may differ between the config.json of a workdir and the
 # config it is resumed with (a key also covers everything below it). Every
@@ -53,8 +55,6 @@ RESUMABLE_KEYS = ("steps", "eval_every", "log_every", "checkpoint_every",
                   "keep_checkpoints", "async_checkpointing", "target_eval_loss",
                   "max_bad_steps", "mesh", "distributed", "quant.residuals",
                   "profile", "peak_tflops", "wandb")
-
-LOCK_FILE = "lock"
 
 
 class WorkdirError(errors.UserError):
@@ -132,7 +132,7 @@ class WorkdirLock:
   """WORKDIR/lock for one run (all processes of it); see the module doc."""
 
   def __init__(self, workdir):
-    self.path = os.path.join(workdir, LOCK_FILE)
+    self.path = run_layout.lock_file(workdir)
     self.run_id = None
     self._held = False
     self._folder_fd = None  # the workdir, flock-ed while the run holds it
@@ -339,33 +339,6 @@ def config_differences(requested, saved):
   return diffs
 
 
-def usable_config(saved):
-  """True for a config dict as the trainer writes it (not `[]`, not {})."""
-  try:
-    records.check(records.RunConfig, saved, "config")
-  except records.RecordError:
-    return False
-  return True
-
-
-def checkpoint_config(workdir):
-  """The config saved with the newest checkpoint that has one, or None.
-
-  Reads checkpoints/<step>/data/metadata (the checkpoint's JSON item, where
-  the trainer keeps the run's resolved config under "config").
-  """
-  directory = os.path.join(workdir, "checkpoints")
-  for step in reversed(checkpointing.committed_steps(directory)):
-    try:
-      saved = records.read(records.CheckpointData, os.path.join(
-          directory, str(step), "data", "metadata")).get("config")
-    except records.RecordError:
-      continue  # an unusable one is set aside when the run restores
-    if usable_config(saved):
-      return saved
-  return None
-
-
 def _saved_config(workdir):
   """(the config this workdir's run was started with or None, where from).
 
@@ -374,20 +347,9 @@ def _saved_config(workdir):
   could tell, but it is missing, damaged or not a config, while there are
   checkpoints to resume.
   """
-  path = os.path.join(workdir, "config.json")
-  problem = None
-  try:
-    with open(path) as f:
-      from_json = json.load(f)
-  except FileNotFoundError:
-    problem = "is missing"
-  except (OSError, ValueError) as e:
-    problem = f"cannot be read ({e})"
-  else:
-    if not usable_config(from_json):
-      problem = (f"is not a config written by fp4jax's trainer (it holds a "
-                 f"{type(from_json).__name__})")
-  saved = checkpoint_config(workdir)
+  path = run_layout.config_file(workdir)
+  from_json, problem = run_layout.saved_config(workdir)
+  saved = run_layout.checkpoint_config(workdir)
   if saved is not None:
     if problem is not None and os.path.exists(path):
       dst = _keep_records(workdir)
@@ -396,8 +358,8 @@ def _saved_config(workdir):
             f"in {dst})", file=sys.stderr, flush=True)
     return saved, "its checkpoint"
   if problem is None:
-    return from_json, "config.json"
-  if checkpointing.committed_steps(os.path.join(workdir, "checkpoints")):
+    return from_json, run_layout.CONFIG
+  if checkpointing.committed_steps(run_layout.checkpoints(workdir)):
     raise WorkdirError(
         f"{path} {problem}, and the checkpoints of this workdir are older "
         "than the ones that carry their config, so nothing tells which "
@@ -462,7 +424,7 @@ def check_resume_config(workdir, config, resolved, *, override=False):
 def record_override(workdir, note):
   """Keeps the run's records and `note` (a dict: what --override_resume
   accepted) as resume_override.json in a new history/<n>/; returns it."""
-  return _keep_records(workdir, {"resume_override.json": json.dumps(
+  return _keep_records(workdir, {run_layout.RESUME_OVERRIDE: json.dumps(
       note, indent=2, default=json_default)})
 
 
@@ -473,7 +435,7 @@ def set_aside_history(workdir, start_step):
   metrics_log.MetricsError (one line naming it) for a damaged row other
   than a half-written last one: nothing is dropped before it is repaired.
   """
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = run_layout.metrics_file(workdir)
   if not os.path.exists(path):
     return None
   steps = [row["step"] for row in metrics_log.read_metrics(workdir)]
@@ -503,7 +465,7 @@ def _keep_records(workdir, extra=None):
   history/.<n>.partial and renamed to <n> when complete, so history/ never
   holds a half copy (a partial one a killed run left is removed here).
   """
-  root = os.path.join(workdir, "history")
+  root = run_layout.history(workdir)
   partial = None
   try:
     os.makedirs(root, exist_ok=True)
@@ -516,7 +478,7 @@ def _keep_records(workdir, extra=None):
     dst = os.path.join(root, str(n))
     partial = os.path.join(root, f".{n}.partial")
     os.makedirs(partial)
-    for name in ("metrics.jsonl", "summary.json", "config.json"):
+    for name in run_layout.RECORDS:
       if os.path.exists(os.path.join(workdir, name)):
         shutil.copy2(os.path.join(workdir, name), partial)
     for name, text in (extra or {}).items():
@@ -530,7 +492,7 @@ def _keep_records(workdir, extra=None):
       shutil.rmtree(partial, ignore_errors=True)
     if e.errno == errno.ENOSPC:
       needed = sum(os.path.getsize(os.path.join(workdir, name))
-                   for name in ("metrics.jsonl", "summary.json", "config.json")
+                   for name in run_layout.RECORDS
                    if os.path.exists(os.path.join(workdir, name)))
       raise errors.disk_full(root, needed) from None
     raise
