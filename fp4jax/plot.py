@@ -1,8 +1,8 @@
-"""`python -m fp4jax.plot RUN [RUN ...] -o OUT.png`: fp4jax.train.plot's command line."""
+"""`python -m fp4jax.plot RUN [RUN ...] -o OUT.png`: fp4jax.train.curves' command line."""
 
 import sys
 
-from fp4jax.train import plot
+from fp4jax.train import curves
 
 if __name__ == "__main__":
-  sys.exit(plot.main())
+  sys.exit(curves.main())

@@ -473,7 +473,7 @@ def test_sigterm_to_the_ablation_runner_says_it_was_interrupted(tmp_path):
 
 
 def test_tool_clis(tmp_path):
-  rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.plot")
+  rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.curves")
   _user_error(rc, out, "missing", "does not exist")
   rc, out = run(str(tmp_path / "missing"), module="fp4jax.experiments.report")
   _user_error(rc, out, "missing", "not a directory")

@@ -29,7 +29,7 @@ from fp4jax.train import atomic
 from fp4jax.train import config as train_config
 from fp4jax.train import export
 from fp4jax.train import metrics_log
-from fp4jax.train import plot
+from fp4jax.train import curves
 from fp4jax.train import run_layout
 from fp4jax.train import stall
 from fp4jax.train import trainer
@@ -167,7 +167,7 @@ def _run_in_progress(path, half=True):
 def test_every_metrics_reader_skips_a_half_written_last_line(tmp_path):
   rows = _run_in_progress(tmp_path / "fp8")
   assert read_metrics(tmp_path / "fp8") == rows
-  assert plot.eval_curve(str(tmp_path / "fp8")) == ([0, 100, 200],
+  assert curves.eval_curve(str(tmp_path / "fp8")) == ([0, 100, 200],
                                                     [5.0, 4.0, 3.0])
   report.write_report(str(tmp_path), ["fp8"])
   assert "fp8" in (tmp_path / "table.md").read_text()
@@ -183,7 +183,7 @@ def test_a_damaged_middle_line_is_named(tmp_path):
     f.write("garbage\n" + json.dumps(dict(step=4, tokens=1, eval_loss=1.0))
             + "\n")
   with pytest.raises(errors.UserError, match=r"metrics.jsonl line 4 is not"):
-    plot.eval_curve(str(tmp_path / "run"))
+    curves.eval_curve(str(tmp_path / "run"))
 
 
 def test_report_on_one_run_folder_says_to_pass_its_parent(tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fp4jax import errors
-from fp4jax.maxtext import train as maxtext_train
+from fp4jax.maxtext import pretrain as maxtext_pretrain
 
 maxtext = pytest.importorskip(
     "maxtext", reason="maxtext is not installed (pip install -e '.[maxtext]', Python >= 3.12)")
@@ -30,7 +30,7 @@ from maxtext.utils import maxtext_utils
 
 from fp4jax import dot
 from fp4jax.maxtext.quantization import Fp4jaxQuantization
-from fp4jax.maxtext.recipe import recipe_for
+from fp4jax.maxtext.supported_recipes import recipe_for
 
 pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
 
@@ -142,12 +142,12 @@ def test_config_that_cannot_take_the_recipe_is_one_line():
   config = types.SimpleNamespace(quantization="", per_device_batch_size=1,
                                  max_target_length=48, dtype="bfloat16")
   with pytest.raises(errors.UserError, match=r"1 x 48 = 48 must be a multiple of 32"):
-    maxtext_train.quantization_for("mxfp4-dh16", config)
+    maxtext_pretrain.quantization_for("mxfp4-dh16", config)
   config.quantization = "int8"
   with pytest.raises(errors.UserError, match="drop quantization='int8'"):
-    maxtext_train.quantization_for("mxfp4-dh16", config)
+    maxtext_pretrain.quantization_for("mxfp4-dh16", config)
   config.quantization, config.max_target_length = "", 64
-  assert maxtext_train.quantization_for("mxfp4-dh16", config).get_block_size() == 32
+  assert maxtext_pretrain.quantization_for("mxfp4-dh16", config).get_block_size() == 32
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -156,7 +156,7 @@ def test_config_that_cannot_take_the_recipe_is_one_line():
     ("run_name=x", "give fp4jax_recipe=NAME once"),
 ])
 def test_bad_command_line_is_one_line_and_exit_2(arg, message):
-  out = subprocess.run([sys.executable, "-m", "fp4jax.maxtext.train", BASE, arg],
+  out = subprocess.run([sys.executable, "-m", "fp4jax.maxtext.pretrain", BASE, arg],
                        capture_output=True, text=True, timeout=120, check=False)
   assert out.returncode == 2, out.stderr
   lines = out.stderr.strip().splitlines()
@@ -166,7 +166,7 @@ def test_bad_command_line_is_one_line_and_exit_2(arg, message):
 def _train(tmp, steps):
   """MaxText's loop on the tiny model with mxfp4-dh16: (its log, its metrics rows)."""
   metrics = os.path.join(tmp, f"metrics_{steps}.txt")
-  args = [sys.executable, "-m", "fp4jax.maxtext.train", BASE, "run_name=loop",
+  args = [sys.executable, "-m", "fp4jax.maxtext.pretrain", BASE, "run_name=loop",
           f"base_output_directory={tmp}", *TINY, f"steps={steps}", "checkpoint_period=10",
           "async_checkpointing=False", "learning_rate=1e-2", f"metrics_file={metrics}",
           "fp4jax_recipe=mxfp4-dh16"]

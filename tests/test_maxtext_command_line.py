@@ -4,14 +4,14 @@ before MaxText loads (so they need no MaxText): each mistake one line, exit 2.""
 import pytest
 
 from fp4jax import recipes
-from fp4jax.maxtext import train as maxtext_train
+from fp4jax.maxtext import pretrain as maxtext_pretrain
 
 RECIPE = "fp4jax_recipe=mxfp4-dh16"
 
 
 def _line(capsys, *args):
   """(exit status, the one line on stderr) of the entry point with `args`."""
-  status = maxtext_train.main(["fp4jax.maxtext.train", *args])
+  status = maxtext_pretrain.main(["fp4jax.maxtext.pretrain", *args])
   lines = capsys.readouterr().err.strip().splitlines()
   assert len(lines) == 1, lines
   return status, lines[0]

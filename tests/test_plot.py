@@ -1,11 +1,11 @@
-"""fp4jax.train.plot: validation loss against tokens for several runs."""
+"""fp4jax.train.curves: validation loss against tokens for several runs."""
 
 import json
 import os
 
 import pytest
 
-from fp4jax.train import plot
+from fp4jax.train import curves
 
 
 def _fake_run(workdir, losses, recipe):
@@ -22,7 +22,7 @@ def _fake_run(workdir, losses, recipe):
 def test_eval_curve_reads_only_eval_rows(tmp_path):
   run = str(tmp_path / "a")
   _fake_run(run, [5.0, 4.0, float("nan")], "bf16")
-  tokens, losses = plot.eval_curve(run)
+  tokens, losses = curves.eval_curve(run)
   assert tokens == [0, 1000, 2000]
   assert losses[:2] == [5.0, 4.0]
 
@@ -32,15 +32,15 @@ def test_main_draws_several_runs_into_one_png(tmp_path):
   _fake_run(a, [5.0, 4.0, 3.5], "bf16")
   _fake_run(b, [5.0, 4.2, 3.8], "mxfp4-dh16")
   out = str(tmp_path / "curves.png")
-  plot.main([a, b, "-o", out, "--title", "t"])
+  curves.main([a, b, "-o", out, "--title", "t"])
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.getsize(out) > 5000
-  assert plot._label(b) == "b (mxfp4-dh16)"
+  assert curves._label(b) == "b (mxfp4-dh16)"
 
 
 def test_a_run_without_evaluations_is_an_error(tmp_path):
   run = str(tmp_path / "empty")
   os.makedirs(run)
   with pytest.raises(ValueError, match="no metrics.jsonl rows with an eval_loss"):
-    plot.plot_runs([run], str(tmp_path / "x.png"))
+    curves.plot_runs([run], str(tmp_path / "x.png"))

@@ -30,7 +30,7 @@ from fp4jax.llama import model as model_lib
 from fp4jax.train import cli
 from fp4jax.train import export
 from fp4jax.train import metrics_log
-from fp4jax.train import plot
+from fp4jax.train import curves
 from fp4jax.train import run_layout
 from fp4jax.train import workdir as workdir_lib
 
@@ -86,7 +86,7 @@ def _wall(root, bad):
 
 def _metrics_row(root, bad):
   run = _run_dir(root, rows=[ROWS[0], bad, ROWS[1]])
-  readers = (metrics_log.read_metrics, plot.eval_curve, lambda r: report.load_run(r, "A0", 0),
+  readers = (metrics_log.read_metrics, curves.eval_curve, lambda r: report.load_run(r, "A0", 0),
              lambda r: workdir_lib.set_aside_history(r, 1))
   return os.path.join(run, "metrics.jsonl"), lambda: [f(run) for f in readers]
 

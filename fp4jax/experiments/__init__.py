@@ -12,7 +12,7 @@ stats             paired estimates with intervals over seeds
 verdicts          each declared claim's verdict from per-seed values
 tokens_to_target  tokens to reach a target validation loss
 report            table.md and figures, read back from the run folders
-plots             the figures: validation curves, quantization-error diagnostics
+figures           the figures: validation curves, quantization-error diagnostics
 horizon           E1's statistics beyond the primary, and the stress screen (E2)
 sizing            seeds for a study from the spreads of one that ran
 """

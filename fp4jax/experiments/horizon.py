@@ -39,7 +39,7 @@ from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
 from fp4jax.experiments import hypothesis_tests
-from fp4jax.experiments import plots
+from fp4jax.experiments import figures
 from fp4jax.experiments import report
 from fp4jax.experiments import verdicts
 
@@ -63,8 +63,8 @@ def _diag_points(runs, role, stats_, source="train"):
   """(stat, step, value) of every logged diagnostic of `role` named in
   `stats_`, over the runs' measured layers and steps."""
   for run in runs:
-    for key, (steps, values) in plots.diag_series(run.rows).items():
-      src, _, r, stat = plots.parse_key(key)
+    for key, (steps, values) in figures.diag_series(run.rows).items():
+      src, _, r, stat = figures.parse_key(key)
       if (src, r) == (source, role) and stat in stats_:
         yield from ((stat, step, value) for step, value in zip(steps.tolist(), values.tolist()))
 
@@ -179,7 +179,7 @@ def growth_section(workdir, path=None) -> list[str]:
   marks = {c.label: min((crossings[a] for a in c.weights if crossings.get(a) is not None),
                         default=None)
            for claim in decl.claims for c in claim.contrasts}
-  plots.plot_contrasts(os.path.join(workdir, "contrasts.png"), curves, marks)
+  figures.plot_contrasts(os.path.join(workdir, "contrasts.png"), curves, marks)
   state = declaration_lib.status(workdir, path)
   lines = ["", f"Growth (declared second family; declaration {state}): per arm and seed the "
            f"slope of the validation loss against ln(step) over steps {lo}-{hi}; a contrast "

@@ -3,7 +3,7 @@
 `load_runs` reads WORKDIR/<run>/metrics.jsonl (and summary.json, wall.json);
 `summarize` turns the validation curves into the table's rows (tokens to
 target, overhead, divergence, paired against the baseline of the same seed);
-`write_report` writes table.md and the figures of fp4jax.experiments.plots;
+`write_report` writes table.md and the figures of fp4jax.experiments.figures;
 the verdicts follow the study's declaration (fp4jax.experiments.declaration;
 default WORKDIR/DECLARATION.json), flagged EXPLORATORY when it was not
 recorded before the first run or changed since.
@@ -27,7 +27,7 @@ from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
 from fp4jax.experiments import hypothesis_tests
-from fp4jax.experiments import plots
+from fp4jax.experiments import figures
 from fp4jax.experiments import stats
 from fp4jax.experiments import tokens_to_target as ttt
 from fp4jax.experiments import verdicts
@@ -297,8 +297,8 @@ def diag_summary(runs, columns=None):
   for recipe, rs in runs.items():
     values = {c: [] for c in columns}
     for run in rs:
-      for key, (_, v) in plots.diag_series(run.rows).items():
-        source, _, role, stat = plots.parse_key(key)
+      for key, (_, v) in figures.diag_series(run.rows).items():
+        source, _, role, stat = figures.parse_key(key)
         for col, want in columns.items():
           if (source, role, stat) == want:
             values[col].extend(v[np.isfinite(v)])
@@ -388,8 +388,8 @@ def snr_series(runs, stats_=SNR_STATS):
   for recipe, rs in runs.items():
     per = {}
     for run in rs:
-      for key, (steps, values) in plots.diag_series(run.rows).items():
-        source, layer, role, stat = plots.parse_key(key)
+      for key, (steps, values) in figures.diag_series(run.rows).items():
+        source, layer, role, stat = figures.parse_key(key)
         if source == "train" and stat in stats_ and role == "wgrad":
           per.setdefault((layer, role, stat), []).append(dict(zip(steps.tolist(), values.tolist())))
     series = {}
@@ -527,13 +527,13 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
       decl is not None and declaration_lib.status(workdir, decl.path) != "declared") else ""
   write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
               sections, banner)
-  plots.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD)
-  plots.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
+  figures.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD)
+  figures.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
                     float(np.mean(list(targets.values()))), baseline)
-  plots.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
+  figures.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
   for rs in runs.values():
     for run in rs:
-      plots.plot_diagnostics(os.path.join(run.path, "diagnostics.png"), run)
+      figures.plot_diagnostics(os.path.join(run.path, "diagnostics.png"), run)
   return rows
 
 

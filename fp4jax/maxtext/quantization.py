@@ -6,7 +6,7 @@ once on `get_block_size()` dummy tokens at construction; every projection of
 every decoder layer (attention query, key, value, out; MLP wi_0, wi_1, wo)
 then calls fp4jax's DotGeneral with the recipe. MaxText leaves its output
 head unquantized, as fp4jax's own model does by default. Recipes: see
-fp4jax.maxtext.recipe.
+fp4jax.maxtext.supported_recipes.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ from typing import ClassVar
 from maxtext.layers import quantizations
 
 from fp4jax.flax import DotGeneral
-from fp4jax.maxtext.recipe import BLOCK_SIZE
+from fp4jax.maxtext.supported_recipes import BLOCK_SIZE
 from fp4jax.recipes import Recipe
 
 

@@ -10,7 +10,7 @@
   init_from    initial weights from a Hugging Face directory or another run
   export       a run as a Hugging Face Llama directory (`python -m fp4jax.convert`)
 export_fp4   the same with packed NVFP4 / MXFP4 block linears (`--quantize`)
-  plot         validation curves of runs in one PNG (`python -m fp4jax.plot`)
+  curves       validation curves of runs in one PNG (`python -m fp4jax.plot`)
   cli          command-line checks shared by train.py and the experiments
 atomic       writes that leave the old file or the new one, never a part
 stall        runs that stopped learning (flat loss, no gradient)

@@ -1,6 +1,6 @@
 """MaxText's own training loop with an fp4jax recipe in place:
 
-  python -m fp4jax.maxtext.train <MaxText config.yml> [key=value ...] fp4jax_recipe=NAME
+  python -m fp4jax.maxtext.pretrain <MaxText config.yml> [key=value ...] fp4jax_recipe=NAME
 
 Every argument but `fp4jax_recipe` goes to MaxText's trainer
 (maxtext.trainers.pre_train.train) as it is. The recipe enters through
@@ -16,9 +16,9 @@ import os
 import sys
 
 from fp4jax import errors
-from fp4jax.maxtext import recipe
+from fp4jax.maxtext import supported_recipes
 
-PROG = "fp4jax.maxtext.train"
+PROG = "fp4jax.maxtext.pretrain"
 FLAG = "fp4jax_recipe="
 
 
@@ -83,17 +83,17 @@ def quantization_for(name, config):
     raise errors.UserError(f"{FLAG}{name} replaces MaxText's quantization; drop "
                            f"quantization={config.quantization!r}")
   tokens = config.per_device_batch_size * config.max_target_length
-  if tokens % recipe.BLOCK_SIZE:
+  if tokens % supported_recipes.BLOCK_SIZE:
     raise errors.UserError(
         f"per-device tokens per_device_batch_size x max_target_length = "
         f"{config.per_device_batch_size} x {config.max_target_length} = {tokens:g} must be "
-        f"a multiple of {recipe.BLOCK_SIZE} (Wgrad's MX blocks run along the tokens)")
+        f"a multiple of {supported_recipes.BLOCK_SIZE} (Wgrad's MX blocks run along the tokens)")
   return Fp4jaxQuantization(recipe=_recipe(name, _dtype_name(config.dtype)))
 
 
 def _recipe(name, dtype):
   try:
-    return recipe.recipe_for(name, dtype)
+    return supported_recipes.recipe_for(name, dtype)
   except ValueError as e:
     raise errors.UserError(str(e)) from None
 
