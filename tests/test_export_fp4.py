@@ -284,7 +284,7 @@ def test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte(
   for directory, layout in ((out, "modelopt"), (ct_out, "compressed-tensors")):
     export.export(runs[name], directory, quantize="nvfp4", layout=layout,
                   fused_scale="per-projection", activations="fp4")
-  with open(os.path.join(out, export_fp4.MODELOPT_CONFIG)) as f:
+  with open(os.path.join(out, hf_packed.MODELOPT_CONFIG)) as f:
     quantization = json.load(f)["quantization"]
   assert (quantization["quant_algo"], quantization["group_size"]) == ("NVFP4",
                                                                       16)

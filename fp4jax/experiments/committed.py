@@ -47,8 +47,8 @@ def is_complete(run_dir) -> bool:
   return summary["status"] in FINISHED
 
 
-def publish(src, dst, extra=()):
-  """Copies src's RUN_FILES (and the names in `extra`, when present) to dst
+def publish(src, dst):
+  """Copies src's RUN_FILES (those present) to dst
   atomically: a sibling temporary folder, its manifest last, then a rename.
   An existing dst is replaced. Returns dst."""
   parent = os.path.dirname(os.path.abspath(dst))
@@ -57,7 +57,7 @@ def publish(src, dst, extra=()):
   shutil.rmtree(tmp, ignore_errors=True)
   os.makedirs(tmp)
   files = {}
-  for name in RUN_FILES + tuple(extra):
+  for name in RUN_FILES:
     if os.path.exists(os.path.join(src, name)):
       shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
       files[name] = _sha256(os.path.join(tmp, name))

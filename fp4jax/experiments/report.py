@@ -26,9 +26,10 @@ from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
-from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import figures
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import stats
+from fp4jax.experiments import study_config
 from fp4jax.experiments import tokens_to_target as ttt
 from fp4jax.experiments import verdicts
 from fp4jax.train import run_layout
@@ -577,7 +578,7 @@ def _redraw(workdir, opts):
   if not os.path.isdir(workdir):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
                            "--workdir of an ablation")
-  where = os.path.join(workdir, "ablation_config.json")
+  where = os.path.join(workdir, study_config.RECORD)
   saved = records.read_if_present(records.StudyConfig, where) or {}
   ab = records.check(records.AblationBlock, saved.get("ablation", {}), f"{where}: ablation")
   diag = records.check(records.DiagnosticsBlock, saved.get("diagnostics") or {},

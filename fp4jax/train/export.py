@@ -44,6 +44,7 @@ from fp4jax import records
 from fp4jax.train import atomic
 from fp4jax.train import export_fp4
 from fp4jax.train import run_layout
+from fp4jax.llama import hf_packed
 from fp4jax.llama import model as model_lib
 from fp4jax.llama.hf import abstract_params
 from fp4jax.llama.hf import CONFIG_FILE
@@ -348,7 +349,7 @@ def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,
   with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(hf, f, indent=2)
   if packed and packed.modelopt_config(table):
-    with open(os.path.join(out_dir, export_fp4.MODELOPT_CONFIG), "w",
+    with open(os.path.join(out_dir, hf_packed.MODELOPT_CONFIG), "w",
               encoding="utf-8") as f:
       json.dump(packed.modelopt_config(table), f, indent=2)
   return n_files, total, _write_tokenizer(tokenizer, tok, out_dir,

@@ -56,7 +56,6 @@ LAYOUTS = {"compressed-tensors": ("nvfp4", "mxfp4"), "modelopt": ("nvfp4",)}
 # compressed-tensors' format names and the version whose config block is written.
 CT_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 CT_VERSION = "0.20.0"
-MODELOPT_CONFIG = "hf_quant_config.json"
 _BLOCK_PATHS = {layer.path: layer for layer in linears.BLOCK}
 # The projections vLLM and TensorRT-LLM fuse into one GEMM.
 FUSED_GROUPS = (("attn/q", "attn/k", "attn/v"), ("mlp/gate", "mlp/up"))
