@@ -38,8 +38,8 @@ from fp4jax import diagnostics
 from fp4jax import errors
 from fp4jax import records
 from fp4jax.experiments import declaration as declaration_lib
-from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import figures
+from fp4jax.experiments import hypothesis_tests
 from fp4jax.experiments import report
 from fp4jax.experiments import verdicts
 
