@@ -7,7 +7,8 @@
 #   compile     python -m fp4jax.bench gpu_compile --target device --what linear,kernels:
 #               the linear layer of every recipe and backend and every Pallas kernel,
 #               compiled on this GPU as the deviceless report compiled them for the
-#               same card (results/gpu_compile/h200.json), and the differences
+#               same card (results/gpu_compile/h200-jax<this jax>.json where it
+#               exists, else h200.json), and the differences
 #               between the two (GEMM kinds, operand types, SASS instructions): does
 #               compiling without the device predict it? Runs first
 #   env         nvidia-smi, python, jax/jaxlib, devices, compute capability,
@@ -186,9 +187,14 @@ for s in $STAGES; do
         --workdir=/tmp/fp4jax_ablation_short --results="$OUT/ablation_gpu_short" ${short[@]+"${short[@]}"} ;;
     compile)
       # The dry run has no GPU: it compiles for the H200 description (needs the CUDA plugin).
+      # Against the deviceless report made with this jax where there is one
+      # (results/gpu_compile/h200-jax<version>.json), so that only the device differs.
       if [[ $DRY_RUN == 1 ]]; then target=h200; else target=device; fi
+      jaxv=$($PY -c "import jax; print(jax.__version__)")
+      against="$SRC/results/gpu_compile/h200-jax$jaxv.json"
+      [[ -e $against ]] || against="$SRC/results/gpu_compile/h200.json"
       stage compile 150 $PY -m fp4jax.bench gpu_compile --target "$target" --what linear,kernels \
-        --against "$SRC/results/gpu_compile/h200.json" --out "$WORK/compile.json" ;;
+        --against "$against" --out "$WORK/compile.json" ;;
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
       stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
