@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -105,6 +107,35 @@ def test_gemm_kinds_tell_block_scaled_from_plain_dots():
   assert hlo_stats.gemm_summary(kinds).startswith("block-scaled (cuDNN) 1, block-scaled (")
 
 
+def test_gemms_read_an_h200s_compiled_hlo():
+  """Lines as an H200 compiled them (jax 0.11.2): cuBLAS's tuple-shaped (result,
+  workspace) custom call, and a Triton GEMM fusion whose tile configuration comes
+  before its kind."""
+  config = ('backend_config={"fusion_backend_config":{"block_level_fusion_config":'
+            '{"num_warps":"8","output_tiles":[{"sizes":["128","256"]}]},'
+            '"kind":"__triton_nested_gemm_fusion"},"operation_queue_id":"0"}')
+  hlo = f"""%gemm_computation (p0: bf16[64,128], p1: bf16[128,96]) -> bf16[64,96] {{
+  %p0 = bf16[64,128]{{1,0}} parameter(0)
+  %p1 = bf16[128,96]{{1,0}} parameter(1)
+  ROOT %d = bf16[64,96]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,96], u: f32[64,128], v: f32[128,96]) -> bf16[64,96] {{
+  %x = bf16[64,128]{{1,0}} parameter(0)
+  %w = bf16[128,96]{{1,0}} parameter(1)
+  %u = f32[64,128]{{1,0}} parameter(2)
+  %v = f32[128,96]{{1,0}} parameter(3)
+  %custom-call.1 = (f32[64,96]{{1,0}}, s8[33554432]{{0}}) custom-call(%u, %v), custom_call_target="__cublas$lt$matmul"
+  ROOT %gemm_fusion = bf16[64,96]{{1,0}} fusion(%x, %w), kind=kCustom, calls=%gemm_computation, {config}
+}}
+"""
+  got = [(g["op"], g["operands"], g["shape"], g["kernel"], g["kernel_kind"])
+         for g in hlo_stats.gemms(hlo)]
+  assert got == [("dot", ["bf16", "bf16"], [64, 96], "gemm_fusion", "__triton_nested_gemm_fusion"),
+                 ("custom-call", ["f32", "f32"], [64, 96], "custom-call.1", "__cublas$lt$matmul")]
+  assert hlo_stats.gemm_kinds(hlo) == {"dot bf16": 1, "cuBLAS f32": 1}
+
+
 def test_native_stage_reports_gemm_kinds_and_the_missing_fp4_units(tmp_path):
   result, md = gpu_check.native_stage(True, str(tmp_path))
   if backends.jax_version() < backends.MIN_JAX["native"]:
@@ -112,7 +143,7 @@ def test_native_stage_reports_gemm_kinds_and_the_missing_fp4_units(tmp_path):
     return
   assert not result["fp4_units"] and "platform is 'cpu'" in md and "the emulation" in md
   rows = {r["name"]: r for r in result["tables"][0]["rows"]}
-  assert set(rows) == {bench_kernels.BASELINE} | {f"{n} ({b})" for n in gpu_check.NATIVE_RECIPES
+  assert set(rows) == set(bench_kernels.BASELINES) | {f"{n} ({b})" for n in gpu_check.NATIVE_RECIPES
                                             for b in gpu_check.NATIVE_BACKENDS}
   assert all("dot " in r["gemms"] and r["TFLOP/s"] > 0 for r in rows.values())  # the CPU: plain dots
 
@@ -131,14 +162,40 @@ def test_env_and_tiny_linear_stages(tmp_path):
   rows = bench_kernels.linear_rows((64, 64, 32), ["mxfp4"], ["pallas"], 1,
                                    hlo_dir=str(tmp_path))
   by_name = {r["name"]: r for r in rows}
-  assert set(by_name) == {bench_kernels.BASELINE, "mxfp4 (pallas)"}
+  assert set(by_name) == set(bench_kernels.BASELINES) | {"mxfp4 (pallas)"}
   assert by_name[bench_kernels.BASELINE]["vs_bf16"] == 1.0
   for r in rows:
     assert r["ms"] > 0 and r["kernels"] >= 1
     assert math.isclose(r["TFLOP/s"], 6 * 64 * 64 * 32 / (r["ms"] * 1e-3) / 1e12)
-  assert len(os.listdir(tmp_path)) == 2  # one HLO text per variant
+  assert len(os.listdir(tmp_path)) == 3  # one HLO text per variant
   table = bench_kernels.markdown(rows, bench_kernels.LINEAR_COLUMNS, "layer")
-  assert table.count("\n") == 3 and "| mxfp4 (pallas) |" in table
+  assert table.count("\n") == 4 and "| mxfp4 (pallas) |" in table
+
+
+def test_the_bf16_baselines_keep_every_gemm_on_bf16_operands():
+  """The layer's forward and backward GEMMs all read bf16, as in a bf16 model (a
+  float32-output lax.dot_general would run the backward on float32 operands)."""
+  x = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((32, 16), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((64, 16), jnp.bfloat16)
+  variants = bench_kernels.linear_variants([], [])
+  assert set(variants) == set(bench_kernels.BASELINES)
+  for name, fn in variants.items():
+    jaxpr = jax.make_jaxpr(fn)(x, w, dy)
+    dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 3, name
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), name
+
+
+def _equations(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (jit, custom_vjp) included."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _equations(inner)
 
 
 def _write(path, obj):

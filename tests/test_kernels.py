@@ -291,3 +291,76 @@ def test_packed_gemm_is_dequantize_then_dot():
   np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
   assert np.isnan(got[3]).all() and not np.isnan(got[:3]).any()
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _pallas_calls(jaxpr):
+  """Every pallas_call equation of a jaxpr, inside sub-jaxprs (jit, cond) too."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _pallas_calls(inner)
+
+
+@pytest.mark.parametrize("shape,axis", [((2, 2), -1), ((40, 6), -1), ((24, 80), -1),
+                                        ((80, 24), 0), ((3, 30, 5), 1)])
+def test_kernels_read_and_write_whole_tiles(shape, axis):
+  """Triton does not mask a tile at an array's edge (a partial tile wrote over the
+  next row's codes on an H200): every block of every kernel call lies inside its
+  array, on shapes that do not tile (the calls are traced, not run)."""
+  spec, sr = formats.QuantSpec("mxfp4"), formats.QuantSpec("mxfp4", rounding="stochastic")
+  s = jax.ShapeDtypeStruct
+  x, bits = s(shape, jnp.bfloat16), s(shape, jnp.uint32)
+  calls = [(lambda x: kq.quantize_packed(x, spec, axis), (x,)),
+           (lambda x, b: kq.quantize_packed(x, sr, axis, random_bits=b), (x, bits)),
+           (lambda x: kq.fake_quantize(x, spec, axis), (x,))]
+  if len(shape) == 2:  # the packed GEMM of [shape[0], K] by [shape[1], K]
+    k = 96
+    operands = [s((rows, k // 2), jnp.uint8) for rows in shape]
+    scales = [s((rows, k // 32), jnp.float8_e8m0fnu) for rows in shape]
+    calls.append((gemm.matmul_packed, (operands[0], scales[0], operands[1], scales[1])))
+  for fn, args in calls:
+    mappings = [m for eqn in _pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+                for m in eqn.params["grid_mapping"].block_mappings]
+    assert mappings, fn
+    for m in mappings:
+      # A block dim is an int or Blocked(block_size) by jax's release; None / Squeezed: one.
+      sizes = [getattr(b, "block_size", b) for b in m.block_shape]
+      dims = [(b, a) for b, a in zip(sizes, m.array_aval.shape) if isinstance(b, int)]
+      assert len(dims) >= 2 and all(a % b == 0 for b, a in dims), (
+          shape, axis, m.block_shape, m.array_aval.shape)
+
+
+class _NanDroppingClip:
+  """jax.numpy with clip as Triton lowers float min/max (minnumf/maxnumf: NaN dropped)."""
+
+  def __getattr__(self, name):
+    return getattr(jnp, name)
+
+  @staticmethod
+  def clip(x, lo, hi):
+    return jnp.fmax(jnp.fmin(x, hi), lo)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_nan_survives_a_nan_dropping_min_max(monkeypatch, rounding):
+  """On an H200 the packed kernel coded the elements of NaN blocks (a NaN or an Inf
+  among them) as +-6 where XLA codes NaN: Triton's min/max drop NaN. With the
+  rounding's clip made NaN-dropping, the interpreted kernel still gives the reference."""
+  spec = formats.QuantSpec("mxfp4", rounding=rounding)
+  x = _data()[:8, :64]  # rows 1 and 3: a NaN and an Inf block
+  key = jax.random.key(3) if spec.is_random else None
+  bits = kq.reference_bits(key, x.shape, -1, spec.block) if spec.is_random else None
+  want = _reference_packed(x, spec, -1, key=key)
+  monkeypatch.setattr(elements, "jnp", _NanDroppingClip())
+  jax.clear_caches()
+  try:
+    got = kq.quantize_packed(x, spec, -1, random_bits=bits, interpret=True)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  for g, w in zip(got, want):
+    _assert_bits_equal(g, w)

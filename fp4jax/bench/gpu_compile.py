@@ -149,6 +149,10 @@ def _add_sass(row, compiled):
   """Each GEMM's kernel's SASS matrix instructions, one disassembly per distinct GEMM."""
   try:
     images = {gpu_binary.kernel_name(i): i for i in gpu_binary.cubins(compiled)}
+    images.pop(None, None)
+    if not images:  # jax 0.11.2's serialized executables held none
+      row.sass_error = (f"no kernel binaries in jax {jax.__version__}'s serialized executable")
+      return
     seen = {}
     for g in row.gemms:
       name = (g["kernel"] or "").replace(".", "_")
@@ -312,7 +316,9 @@ def markdown(rows):
 
 
 def _status(row):
-  return f"yes, {row.seconds:.0f} s" if row.compiled else f"NO: {row.error}"
+  if not row.compiled:
+    return f"NO: {row.error}"
+  return f"yes, {row.seconds:.0f} s" + (f" (SASS not read: {row.sass_error})" if row.sass_error else "")
 
 
 def _counts(counter):

@@ -68,11 +68,15 @@ def kernel_counts(hlo_text):
 
 _CUDNN_BLOCK_SCALED = ("__cudnn$blockScaledDot", "__op$block_scaled_dot")
 _PLAIN_GEMM_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
-_SHAPED = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
+# An instruction's name, element type and dims; for a tuple-shaped one (cuBLAS's
+# (result, workspace)) its first element's.
+_SHAPED = re.compile(r"^\s+(?:ROOT )?%?([\w.\-]+) = \(?(\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"\s(dot|scaled-dot)\(%?([\w.\-]+)(?:, %?([\w.\-]+))?")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
-_BACKEND_KIND = re.compile(r'fusion_backend_config":\{"kind":"(\w+)"')
+# The fusion's kind wherever it sits in its backend config (a device's compile puts
+# the tile configuration, block_level_fusion_config, before it).
+_BACKEND_KIND = re.compile(r'fusion_backend_config":\{.*?"kind":"(\w+)"')
 _HLO_KIND = re.compile(r"kind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
@@ -133,7 +137,10 @@ def gemms(hlo_text):
 def gemm_kind(gemm, rotation_max=32):
   """One GEMM of `gemms` as a gemm_kinds kind."""
   if gemm["op"] == "custom-call":
-    return "block-scaled (cuDNN)" if gemm["target"] in _CUDNN_BLOCK_SCALED else "cuBLAS"
+    if gemm["target"] in _CUDNN_BLOCK_SCALED:
+      return "block-scaled (cuDNN)"
+    known = [t for t in gemm["operands"] if t != "?"]
+    return f"cuBLAS {known[0]}" if known else "cuBLAS"
   if gemm["op"] == "scaled-dot":
     return "block-scaled (scaled-dot)"
   if gemm["k"] is not None and gemm["k"] <= rotation_max:
@@ -146,7 +153,8 @@ def gemm_kinds(hlo_text, rotation_max=32):
 
   "block-scaled (cuDNN)": a cuDNN block-scaled dot custom call;
   "block-scaled (scaled-dot)": an HLO scaled-dot (what Triton's dot_scaled runs);
-  "cuBLAS": a cuBLAS / cuBLASLt GEMM custom call (FP8 ones among them);
+  "cuBLAS DTYPE": a cuBLAS / cuBLASLt GEMM custom call (FP8 ones among them) reading
+  DTYPE operands (its lhs's; "cuBLAS" where they are not in the text);
   "dot DTYPE": a plain dot with DTYPE operands (its lhs's) and a contraction
   longer than rotation_max; "rotation": a dot contracting rotation_max or fewer
   elements (a Hadamard block). Every instruction line counts once, wherever it sits.

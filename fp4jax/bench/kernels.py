@@ -36,7 +36,6 @@ import sys
 import time
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 
 from fp4jax import dot, recipes
@@ -81,15 +80,24 @@ def quantize_variants(pallas):
   return out
 
 
+# The unquantized layer, as the `bf16` recipe runs it on each Recipe.plain_route:
+# lax.dot_general with bf16 operands and output (what a bf16 model's Dense runs; the
+# ratio column's reference), and its three GEMMs with float32 outputs rounded once
+# (the route every quantized GEMM takes). Both keep every GEMM's operands in bf16
+# (asking lax.dot_general for a float32 output instead would run the backward's two
+# GEMMs on float32 operands: an H200 ran them at half the bf16 rate).
 BASELINE = "bf16 (lax.dot_general)"
+BASELINES = {BASELINE: "lax", "bf16 float32_output": "float32_output"}
 
 
 def linear_variants(recipe_names, backends):
-  """name -> jitted (x, w, dy) -> (y, dx, dw): the plain bf16 baseline, then
-  `RECIPE (BACKEND)` for each recipe and dot_general backend (fixed keys for
+  """name -> jitted (x, w, dy) -> (y, dx, dw): the plain bf16 baselines (BASELINES),
+  then `RECIPE (BACKEND)` for each recipe and dot_general backend (fixed keys for
   random recipes); a backend "native:ROUTE" is native with native_route=ROUTE."""
-  out = {BASELINE: lambda x, w: lax.dot_general(
-      x, w, _DIMS, preferred_element_type=jnp.float32).astype(x.dtype)}
+  out = {}
+  for name, route in BASELINES.items():
+    plain = dataclasses.replace(recipes.recipe("bf16"), plain_route=route)
+    out[name] = lambda x, w, dg=dot.dot_general(plain): dg(x, w, _DIMS)
   for name in recipe_names:
     for backend in backends:
       name_, _, route = backend.partition(":")

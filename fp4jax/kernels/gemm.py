@@ -6,7 +6,9 @@ operands. Each program owns one [tile_m, tile_n] block of C and walks K in
 slabs of tile_k: it unpacks and scales the two slabs in registers to bf16
 (exact: every E2M1 value times a power of two is a bf16) and multiplies them
 with float32 accumulation. The result equals dequantize-then-dot up to the
-float32 summation order.
+float32 summation order. M and N are zero-padded to whole tiles and the
+output cut back (Triton does not mask loads and stores at an array's edge;
+fp4jax.kernels.quantize says what that did).
 """
 
 import functools
@@ -69,17 +71,20 @@ def matmul_packed(a_codes, a_scales, b_codes, b_scales, *, out_dtype=jnp.float32
   if k % tk or tk % BLOCK or tk & (tk - 1):
     raise ValueError(f"K = {k} must be a multiple of tile_k = {tk}, a power of "
                      f"two >= {BLOCK}")
+  pm, pn = target.whole_tiles(m, tm), target.whole_tiles(n, tn)
   biased = lambda s: lax.bitcast_convert_type(s, jnp.uint8)
   rows = lambda t, width: pl.BlockSpec((t, width), lambda i, j: (i, 0))
   cols = lambda t, width: pl.BlockSpec((t, width), lambda i, j: (j, 0))
-  return target.pallas_call(
+  c = target.pallas_call(
       functools.partial(_kernel, k=k, tile_k=tk),
-      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(pl.cdiv(m, tm), pl.cdiv(n, tn)),
+      out_shape=jax.ShapeDtypeStruct((pm, pn), out_dtype),
+      grid=(pm // tm, pn // tn),
       in_specs=[rows(tm, half_k), rows(tm, k // BLOCK),
                 cols(tn, half_k), cols(tn, k // BLOCK)],
       out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
       name="fp4jax_matmul_packed",
-  )(a_codes, biased(a_scales), b_codes, biased(b_scales))
+  )(*(target.pad_to(a, (length, a.shape[1])) for a, length in (
+      (a_codes, pm), (biased(a_scales), pm), (b_codes, pn), (biased(b_scales), pn))))
+  return target.cut_to(c, (m, n))

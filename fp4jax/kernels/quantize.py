@@ -20,8 +20,11 @@ Q == 1 (blocks along the last axis, "row-wise") tiles [P, N] by ROW_TILE;
 otherwise ("column-wise", e.g. Wgrad's token axis) the kernel reads
 [tile_n, tile_q] column tiles of [P, N, Q] and blocks along the tile's first
 axis, so no transposed copy is ever made. Tiles are powers of two (as Triton
-needs); the tail of N is masked to zero inside the kernel, which is what the
-reference's zero padding does.
+needs), and every kernel reads and writes whole tiles: Triton's loads and
+stores are not masked at an array's edge (a tile wider than the array wrote
+its zero padding over the next row's codes on an H200), so a view that is not
+a whole number of tiles is zero-padded first (the reference's own padding
+along N) and the outputs are cut back; shapes that tile exactly are not copied.
 
 interpret=None runs compiled (Triton) where the program is lowered for a GPU
 and interpreted elsewhere (fp4jax.kernels.target); True / False force one.
@@ -69,18 +72,13 @@ def _rotate_tile(x, m, h, blk_axis):
   return y.astype(x.dtype)
 
 
-def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
-            has_bits, packed):
+def _kernel(*refs, spec, blk_axis, hadamard_block, has_bits, packed):
   """One tile: [rotate] -> amax -> exponent -> round -> (codes, scales) or x~."""
   refs = list(refs)
   x_ref = refs.pop(0)
   rotation = refs.pop(0)[...] if hadamard_block else None
   bits = refs.pop(0)[...] if has_bits else None
   x = x_ref[...]
-  # Elements past the end of the blocked axis are undefined: zero them.
-  pos = (pl.program_id(1) * tile_n  # grid axis 1 walks the blocked axis
-         + lax.broadcasted_iota(jnp.int32, x.shape, blk_axis))
-  x = jnp.where(pos < n, x, jnp.zeros_like(x))
   if hadamard_block:
     x = _rotate_tile(x, rotation, hadamard_block, blk_axis)
   block = spec.block
@@ -95,7 +93,11 @@ def _kernel(*refs, spec, n, tile_n, blk_axis, hadamard_block,
   inv = scales_lib.exp2(jnp.where(e == scales_lib.E8M0_NAN, e, -e))
   if has_bits:
     bits = bits.reshape(blocks_shape)
-  q = formats.round_to_element(xb * inv, spec, bits, elements.round_half_even_by_floor)
+  scaled = xb * inv
+  q = formats.round_to_element(scaled, spec, bits, elements.round_half_even_by_floor)
+  # Triton's float min/max drop NaN (minnumf/maxnumf), so the rounding's saturating
+  # clip would turn a NaN into +-max: keep it NaN, as XLA's min/max do.
+  q = jnp.where(jnp.isnan(scaled), scaled, q)
   if not packed:
     (y_ref,) = refs
     y_ref[...] = (q * scales_lib.exp2(e)).reshape(shape).astype(y_ref.dtype)
@@ -159,42 +161,48 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
   if row:
     tp, tn = tile or (min(ROW_TILE[0], _pow2_at_least(p)),
                       max(min_tn, min(ROW_TILE[1], _pow2_at_least(n))))
-    view, grid = (p, n), (pl.cdiv(p, tp), pl.cdiv(n, tn))
+    pp, pn = target.whole_tiles(p, tp), target.whole_tiles(n, tn)
+    view, padded, grid = (p, n), (pp, pn), (pp // tp, pn // tn)
     spec_of = lambda t: pl.BlockSpec((tp, t), lambda i, j: (i, j))
-    out_view = lambda m: (p, m)
+    out_view = lambda m: (pp, m)
   else:
     tn, tq = tile or (max(min_tn, min(COL_TILE[0], _pow2_at_least(n))),
                       min(COL_TILE[1], _pow2_at_least(q)))
-    view, grid = (p, n, q), (p, pl.cdiv(n, tn), pl.cdiv(q, tq))
+    pn, pq = target.whole_tiles(n, tn), target.whole_tiles(q, tq)
+    view, padded, grid = (p, n, q), (p, pn, pq), (p, pn // tn, pq // tq)
     spec_of = lambda t: pl.BlockSpec((None, t, tq), lambda i, j, k: (i, j, k))
-    out_view = lambda m: (p, m, q)
+    out_view = lambda m: (p, m, pq)
   if tn % min_tn or tn & (tn - 1):
     raise ValueError(f"tile along the blocked axis must be a power of two "
                      f"multiple of {min_tn}, got {tn}")
-  operands, in_specs = [x.reshape(view)], [spec_of(tn)]
+  operands, in_specs = [target.pad_to(x.reshape(view), padded)], [spec_of(tn)]
   if hadamard_block:
     # diag(signs) @ H (a kernel takes no constants): the rotated identity.
     eye = jnp.eye(hadamard_block, dtype=jnp.float32)
     operands.append(hadamard.rotate(eye, hadamard_block, -1, signs))
     in_specs.append(pl.BlockSpec((hadamard_block,) * 2, lambda *_: (0, 0)))
   if random_bits is not None:
-    operands.append(random_bits.reshape(view))
+    operands.append(target.pad_to(random_bits.reshape(view), padded))
     in_specs.append(spec_of(tn))
   if packed:
-    out_shape = (jax.ShapeDtypeStruct(out_view(n // 2), jnp.uint8),
-                 jax.ShapeDtypeStruct(out_view(n_blocks), jnp.uint8))
+    out_shape = (jax.ShapeDtypeStruct(out_view(pn // 2), jnp.uint8),
+                 jax.ShapeDtypeStruct(out_view(pn // block), jnp.uint8))
     out_specs = (spec_of(tn // 2), spec_of(tn // block))
+    out_views = (view[:1] + (n // 2,) + view[2:], view[:1] + (n_blocks,) + view[2:])
   else:
-    out_shape, out_specs = jax.ShapeDtypeStruct(view, x.dtype), spec_of(tn)
+    out_shape, out_specs, out_views = jax.ShapeDtypeStruct(padded, x.dtype), spec_of(tn), view
   kernel = functools.partial(
-      _kernel, spec=spec, n=n, tile_n=tn, blk_axis=1 if row else 0,
+      _kernel, spec=spec, blk_axis=1 if row else 0,
       hadamard_block=hadamard_block, has_bits=random_bits is not None, packed=packed)
-  return target.pallas_call(
+  out = target.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
       out_specs=out_specs, interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       name="fp4jax_quantize" if packed else "fp4jax_fake_quantize",
   )(*operands)
+  if packed:
+    return tuple(target.cut_to(o, v) for o, v in zip(out, out_views))
+  return target.cut_to(out, out_views)
 
 
 _STATIC = ("spec", "axis", "hadamard_block", "interpret", "tile")

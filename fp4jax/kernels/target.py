@@ -1,4 +1,5 @@
-"""Pallas calls whose interpret mode follows the lowering target.
+"""Pallas calls whose interpret mode follows the lowering target, and arrays cut
+into whole tiles for them.
 
 A kernel called with interpret=None is traced both ways, and the lowering
 keeps one: compiled (Triton) when the program is lowered for a CUDA or ROCm
@@ -9,6 +10,7 @@ gpu_compile`) holds the compiled kernel, and the same jitted function runs
 interpreted on the CPU.
 """
 
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -24,3 +26,24 @@ def pallas_call(kernel, *, interpret=None, **kwargs):
   interpreted = pl.pallas_call(kernel, interpret=True, **kwargs)
   return lambda *operands: lax.platform_dependent(
       *operands, default=interpreted, **{p: compiled for p in GPU_PLATFORMS})
+
+
+# Triton's loads and stores are not masked at an array's edge: a kernel must read
+# and write whole tiles (fp4jax.kernels.quantize says what a partial one did).
+def whole_tiles(length, tile):
+  """length rounded up to a whole number of tiles."""
+  return -(-length // tile) * tile
+
+
+def pad_to(a, shape):
+  """a zero-padded at the end of each axis to `shape` (a itself where it has it)."""
+  if a.shape == tuple(shape):
+    return a
+  return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
+
+
+def cut_to(a, shape):
+  """The leading `shape` corner of a (a itself where it has that shape)."""
+  if a.shape == tuple(shape):
+    return a
+  return a[tuple(slice(0, s) for s in shape)]
