@@ -198,3 +198,14 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
   for match in _COLLECTIVE_OP.finditer(hlo_text):
     counts[match.group(1)] += 1
   return counts
+
+
+def jaxpr_equations(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs inside it (jit, custom_vjp, cond)."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from jaxpr_equations(inner)

@@ -244,8 +244,10 @@ def test_bf16_is_lax_dot_general_bitwise():
 def test_plain_route_float32_output_rounds_float32_output_gemms_once():
   """plain_route="float32_output": each of the three GEMMs is a bf16 x bf16 ->
   float32 lax.dot_general rounded to bf16 (in the custom_vjp), bit for bit;
-  against autodiff of lax.dot_general, which sums in another order, only
-  rounding ties differ: fewer than 1 in 10^3 outputs, by one bf16 ulp."""
+  against autodiff of lax.dot_general, whose bf16 GEMMs sum in another order
+  (XLA:CPU's, per CPU and release), fewer than 1 in 10^3 outputs differ, by
+  at most two bf16 ulps (one on the AMD EPYC VMs; two, in 0.024% of them, on a
+  Xeon with AMX under jax 0.10.2)."""
   dg = dot.dot_general(dataclasses.replace(recipes.recipe("bf16"), plain_route="float32_output"))
   x, w = _normal(0, (4, 64, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
   dy = _normal(2, (4, 64, 128), jnp.bfloat16)
@@ -263,7 +265,7 @@ def test_plain_route_float32_output_rounds_float32_output_gemms_once():
     np.testing.assert_array_equal(a, b)
     bits = lambda t: np.asarray(t).view(np.uint16).astype(np.int32)
     ulps = np.abs(bits(a) - bits(c))
-    assert ulps.max() <= 1 and (ulps > 0).mean() < 1e-3, (ulps.max(), (ulps > 0).mean())
+    assert ulps.max() <= 2 and (ulps > 0).mean() < 1e-3, (ulps.max(), (ulps > 0).mean())
 
 
 def test_plain_route_float32_output_applies_to_a_quantized_recipes_plain_roles():

@@ -22,6 +22,7 @@ from fp4jax import backends
 from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.train import cli
+from tests.helpers import jaxpr_equations
 
 _HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
@@ -182,20 +183,10 @@ def test_the_bf16_baselines_keep_every_gemm_on_bf16_operands():
   assert set(variants) == set(bench_kernels.BASELINES)
   for name, fn in variants.items():
     jaxpr = jax.make_jaxpr(fn)(x, w, dy)
-    dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    dots = [e for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 3, name
     assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), name
 
-
-def _equations(jaxpr):
-  """Every equation of a jaxpr, those of its sub-jaxprs (jit, custom_vjp) included."""
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (list, tuple)) else [p]):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _equations(inner)
 
 
 def _write(path, obj):

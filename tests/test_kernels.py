@@ -22,6 +22,7 @@ from fp4jax.numerics import hadamard
 from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
 from tests.cuda_lowering import lower_for_cuda
+from tests.helpers import jaxpr_equations
 
 M, N = 24, 80  # rows, blocked length (80 = 2.5 blocks of 32, 5 of 16)
 TILE = {"row": (16, 32), "col": (32, 16)}
@@ -293,17 +294,6 @@ def test_packed_gemm_is_dequantize_then_dot():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _pallas_calls(jaxpr):
-  """Every pallas_call equation of a jaxpr, inside sub-jaxprs (jit, cond) too."""
-  for e in jaxpr.eqns:
-    if e.primitive.name == "pallas_call":
-      yield e
-    for p in e.params.values():
-      for sub in (p if isinstance(p, (list, tuple)) else [p]):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _pallas_calls(inner)
-
 
 @pytest.mark.parametrize("shape,axis", [((2, 2), -1), ((40, 6), -1), ((24, 80), -1),
                                         ((80, 24), 0), ((3, 30, 5), 1)])
@@ -323,8 +313,9 @@ def test_kernels_read_and_write_whole_tiles(shape, axis):
     scales = [s((rows, k // 32), jnp.float8_e8m0fnu) for rows in shape]
     calls.append((gemm.matmul_packed, (operands[0], scales[0], operands[1], scales[1])))
   for fn, args in calls:
-    mappings = [m for eqn in _pallas_calls(jax.make_jaxpr(fn)(*args).jaxpr)
-                for m in eqn.params["grid_mapping"].block_mappings]
+    calls = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+             if e.primitive.name == "pallas_call"]
+    mappings = [m for eqn in calls for m in eqn.params["grid_mapping"].block_mappings]
     assert mappings, fn
     for m in mappings:
       # A block dim is an int or Blocked(block_size) by jax's release; None / Squeezed: one.
