@@ -76,7 +76,7 @@ def test_recipes_name_every_backend_and_route_and_each_backend_declares_its_layo
   assert set(recipes.BACKENDS) == set(backends.NAMES) | {"auto"}
   assert tuple(recipes.NATIVE_ROUTES) == tuple(backends.NATIVE_ROUTES)
   assert {name: backends.module(name).QUANTIZES_WHOLE_TENSOR_FIRST
-          for name in backends.NAMES} == {"xla": True, "pallas": False, "native": False}
+          for name in backends.NAMES} == {"xla": True, "pallas": True, "native": False}
 
 
 def test_native_is_refused_on_old_jax(monkeypatch):

@@ -14,7 +14,9 @@ from fp4jax.numerics import operand
 from_qarray = xla.from_qarray
 matmul = xla.matmul
 unsupported = xla.unsupported
-QUANTIZES_WHOLE_TENSOR_FIRST = False  # its quantize is the kernel's, on the laid-out operand
+# fp4jax.backends: per-tensor operands never reach a kernel (they take xla.quantize),
+# so they follow xla's rule and are quantized before their layout changes.
+QUANTIZES_WHOLE_TENSOR_FIRST = True
 
 
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
