@@ -22,7 +22,7 @@
 #               measures the emulation
 #   tests       tests/test_kernels.py, test_backends.py and test_dot.py's
 #               backend tests, the kernels compiled by Triton (Pallas
-#               interprets only off GPUs: kernels.quantize.interpret_mode),
+#               interprets only off GPUs: fp4jax.kernels.target),
 #               each against the `xla` path on the same GPU bit for bit
 #   crosscheck  the quantizers and four recipes' fwd+bwd on the GPU (xla and
 #               pallas) against XLA:CPU in the same machine, per input class

@@ -241,3 +241,13 @@ def test_differences_name_what_changed():
   other = dict(rows=[dict(row, gemms=[dict(gemm, mma={"UTCOMMA": 6})])])
   (line,) = gpu_compile.differences(report, other)
   assert "HMMA" in line and "UTCOMMA" in line
+
+
+def test_a_report_without_kernel_binaries_says_so(monkeypatch):
+  """jax 0.11.2's executables hold no kernel binaries: the row names that instead of
+  leaving its SASS empty."""
+  monkeypatch.setattr(gpu_binary, "cubins", lambda compiled: [])
+  row = gpu_compile.Row("linear", "mxfp4", "native", compiled=True)
+  gpu_compile._add_sass(row, compiled=None)
+  assert row.sass_error.startswith("no kernel binaries in jax ")
+  assert "SASS not read: no kernel binaries" in gpu_compile.markdown([row])

@@ -294,7 +294,6 @@ def test_packed_gemm_is_dequantize_then_dot():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("shape,axis", [((2, 2), -1), ((40, 6), -1), ((24, 80), -1),
                                         ((80, 24), 0), ((3, 30, 5), 1)])
 def test_kernels_read_and_write_whole_tiles(shape, axis):
@@ -313,9 +312,9 @@ def test_kernels_read_and_write_whole_tiles(shape, axis):
     scales = [s((rows, k // 32), jnp.float8_e8m0fnu) for rows in shape]
     calls.append((gemm.matmul_packed, (operands[0], scales[0], operands[1], scales[1])))
   for fn, args in calls:
-    calls = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
-             if e.primitive.name == "pallas_call"]
-    mappings = [m for eqn in calls for m in eqn.params["grid_mapping"].block_mappings]
+    eqns = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
+            if e.primitive.name == "pallas_call"]
+    mappings = [m for eqn in eqns for m in eqn.params["grid_mapping"].block_mappings]
     assert mappings, fn
     for m in mappings:
       # A block dim is an int or Blocked(block_size) by jax's release; None / Squeezed: one.

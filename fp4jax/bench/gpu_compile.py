@@ -151,7 +151,7 @@ def _add_sass(row, compiled):
     images = {gpu_binary.kernel_name(i): i for i in gpu_binary.cubins(compiled)}
     images.pop(None, None)
     if not images:  # jax 0.11.2's serialized executables held none
-      row.sass_error = (f"no kernel binaries in jax {jax.__version__}'s serialized executable")
+      row.sass_error = f"no kernel binaries in jax {jax.__version__}'s serialized executable"
       return
     seen = {}
     for g in row.gemms:

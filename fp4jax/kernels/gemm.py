@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fp4jax.numerics import operand
 from fp4jax.numerics import scales as scales_lib
 from fp4jax.kernels import target
 from fp4jax.numerics.elements import e2m1_values
@@ -85,6 +86,6 @@ def matmul_packed(a_codes, a_scales, b_codes, b_scales, *, out_dtype=jnp.float32
       interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=3),
       name="fp4jax_matmul_packed",
-  )(*(target.pad_to(a, (length, a.shape[1])) for a, length in (
-      (a_codes, pm), (biased(a_scales), pm), (b_codes, pn), (biased(b_scales), pn))))
+  )(*(operand.pad_axis(a, 0, tile) for a, tile in (
+      (a_codes, tm), (biased(a_scales), tm), (b_codes, tn), (biased(b_scales), tn))))
   return target.cut_to(c, (m, n))

@@ -43,6 +43,7 @@ from fp4jax.kernels import target
 from fp4jax.numerics import elements
 from fp4jax.numerics import formats
 from fp4jax.numerics import hadamard
+from fp4jax.numerics import operand
 from fp4jax.numerics import scales as scales_lib
 
 ROW_TILE = (16, 512)  # [rows, blocked elements] for blocks along the last axis
@@ -163,6 +164,7 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
                       max(min_tn, min(ROW_TILE[1], _pow2_at_least(n))))
     pp, pn = target.whole_tiles(p, tp), target.whole_tiles(n, tn)
     view, padded, grid = (p, n), (pp, pn), (pp // tp, pn // tn)
+    pad = lambda a: operand.pad_axis(operand.pad_axis(a, 0, tp), 1, tn)
     spec_of = lambda t: pl.BlockSpec((tp, t), lambda i, j: (i, j))
     out_view = lambda m: (pp, m)
   else:
@@ -170,19 +172,20 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
                       min(COL_TILE[1], _pow2_at_least(q)))
     pn, pq = target.whole_tiles(n, tn), target.whole_tiles(q, tq)
     view, padded, grid = (p, n, q), (p, pn, pq), (p, pn // tn, pq // tq)
+    pad = lambda a: operand.pad_axis(operand.pad_axis(a, 1, tn), 2, tq)
     spec_of = lambda t: pl.BlockSpec((None, t, tq), lambda i, j, k: (i, j, k))
     out_view = lambda m: (p, m, pq)
   if tn % min_tn or tn & (tn - 1):
     raise ValueError(f"tile along the blocked axis must be a power of two "
                      f"multiple of {min_tn}, got {tn}")
-  operands, in_specs = [target.pad_to(x.reshape(view), padded)], [spec_of(tn)]
+  operands, in_specs = [pad(x.reshape(view))], [spec_of(tn)]
   if hadamard_block:
     # diag(signs) @ H (a kernel takes no constants): the rotated identity.
     eye = jnp.eye(hadamard_block, dtype=jnp.float32)
     operands.append(hadamard.rotate(eye, hadamard_block, -1, signs))
     in_specs.append(pl.BlockSpec((hadamard_block,) * 2, lambda *_: (0, 0)))
   if random_bits is not None:
-    operands.append(target.pad_to(random_bits.reshape(view), padded))
+    operands.append(pad(random_bits.reshape(view)))
     in_specs.append(spec_of(tn))
   if packed:
     out_shape = (jax.ShapeDtypeStruct(out_view(pn // 2), jnp.uint8),
@@ -286,7 +289,7 @@ def reference_bits(key, shape, axis, block):
   """
   axis %= len(shape)
   n = shape[axis]
-  padded = -(-n // block) * block
+  padded = target.whole_tiles(n, block)
   bits = jax.random.bits(key, shape[:axis] + (padded // block, block)
                          + shape[axis + 1:], jnp.uint32)
   bits = bits.reshape(shape[:axis] + (padded,) + shape[axis + 1:])

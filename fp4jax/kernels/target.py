@@ -10,7 +10,6 @@ gpu_compile`) holds the compiled kernel, and the same jitted function runs
 interpreted on the CPU.
 """
 
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -29,17 +28,11 @@ def pallas_call(kernel, *, interpret=None, **kwargs):
 
 
 # Triton's loads and stores are not masked at an array's edge: a kernel must read
-# and write whole tiles (fp4jax.kernels.quantize says what a partial one did).
+# and write whole tiles (fp4jax.kernels.quantize says what a partial one did); the
+# kernels zero-pad with fp4jax.numerics.operand.pad_axis and cut outputs with cut_to.
 def whole_tiles(length, tile):
   """length rounded up to a whole number of tiles."""
   return -(-length // tile) * tile
-
-
-def pad_to(a, shape):
-  """a zero-padded at the end of each axis to `shape` (a itself where it has it)."""
-  if a.shape == tuple(shape):
-    return a
-  return jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
 def cut_to(a, shape):
