@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 
 import jax
 from jax import lax
@@ -20,8 +21,16 @@ KEY = jax.random.key(7)
 LAYER_KEY = jax.random.key(11)
 
 
+@functools.lru_cache(maxsize=None)
+def _normal_draw(seed, dtype):
+  return np.asarray(jax.random.normal(jax.random.key(seed), (2**17,), dtype))
+
+
 def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, dtype)
+  """jax.random.normal(key(seed), shape, dtype), cut from one longer draw per
+  seed and dtype: with partitionable threefry (jax's default) an element does
+  not depend on the draw's length, and one program serves every shape."""
+  return jnp.asarray(_normal_draw(seed, jnp.dtype(dtype))[:math.prod(shape)].reshape(shape))
 
 
 def _vjp_fn(dg, dims=DENSE):
@@ -34,6 +43,24 @@ def _vjp_fn(dg, dims=DENSE):
 
 def _vjp(dg, x, w, dy, dims=DENSE, key=KEY, layer_key=LAYER_KEY):
   return _vjp_fn(dg, dims)(x, w, dy, key, layer_key)
+
+
+@functools.lru_cache(maxsize=None)
+def _recipe_vjp_fn(r):
+  """_vjp_fn of dot_general(r) on DENSE, one per recipe: the tests that run a
+  recipe on _dense_operands' shapes share its compiled program."""
+  return _vjp_fn(dot.dot_general(r))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_fn(r):
+  """jit of _reference(r, x, w, dy, key), one per recipe."""
+  return jax.jit(functools.partial(_reference, r))
+
+
+def _dense_operands(sample):
+  """x [B=2, L=32, K=96], w [K, N=48], dy [B, L, N], each sample(seed, shape)."""
+  return sample(0, (2, 32, 96)), sample(1, (96, 48)), sample(2, (2, 32, 48))
 
 
 def _close(got, want):
@@ -128,10 +155,9 @@ def test_every_role_matches_the_hand_written_reference(name):
 def _check_against_the_reference(r):
   """dot_general(r)'s forward and backward on rank-3 activations (B=2, L=32 ->
   M=64 tokens; N=48 pads Hadamard 64) equal _reference's."""
-  x, w, dy = _normal(0, (2, 32, 96)), _normal(1, (96, 48)), _normal(2, (2, 32, 48))
-  y, dx, dw = _vjp(dot.dot_general(r), x, w, dy)
-  ry, rdx, rdw = jax.jit(lambda *a: _reference(r, *a))(
-      x.reshape(64, 96), w, dy.reshape(64, 48), KEY)
+  x, w, dy = _dense_operands(_normal)
+  y, dx, dw = _recipe_vjp_fn(r)(x, w, dy, KEY, LAYER_KEY)
+  ry, rdx, rdw = _reference_fn(r)(x.reshape(64, 96), w, dy.reshape(64, 48), KEY)
   _close(y.reshape(64, 48), ry)
   _close(dx.reshape(64, 96), rdx)
   _close(dw, rdw)
@@ -188,17 +214,20 @@ def _with_rule(roles, rule):
 @pytest.mark.parametrize("name", list(HAND_WRITTEN))
 def test_staged_presets_match_their_hand_written_roles_and_rule(name):
   """Heavy-tailed data (Student t, 2 dof), where floor and even give different bits:
-  the preset equals the hand-written recipe and not its other-rule twin."""
-  keys = jax.random.split(jax.random.key(5), 3)
-  x, w, dy = (jax.random.t(k, 2.0, s) for k, s in zip(keys, ((64, 96), (96, 48), (64, 48))))
-  got = _vjp(dot.dot_general(recipes.recipe(name)), x, w, dy, dims=(((1,), (0,)), ((), ())))
+  the preset equals the hand-written recipe and not its other-rule twin. (The
+  shapes of test_every_role_matches_the_hand_written_reference: the preset's
+  program and the hand-written reference's are compiled there already.)"""
+  x, w, dy = _dense_operands(lambda seed, shape: np.random.default_rng(5 + seed).standard_t(
+      2.0, shape).astype(np.float32))
+  got = _recipe_vjp_fn(recipes.recipe(name))(x, w, dy, KEY, LAYER_KEY)
+  x, dy = x.reshape(64, 96), dy.reshape(64, 48)
   roles = HAND_WRITTEN[name]
   rule = "floor" if name.endswith("-floor") else "even"
-  want = jax.jit(lambda *a: _reference(Recipe("hand", **roles), *a))(x, w, dy, KEY)
-  other = jax.jit(lambda *a: _reference(
-      Recipe("other", **_with_rule(roles, "even" if rule == "floor" else "floor")), *a))(
-          x, w, dy, KEY)
+  want = _reference_fn(Recipe("hand", **roles))(x, w, dy, KEY)
+  other = _reference_fn(Recipe("other", **_with_rule(
+      roles, "even" if rule == "floor" else "floor")))(x, w, dy, KEY)
   for role, u, v, t in zip(recipes.ROLES, got, want, other):
+    u = u.reshape(v.shape)
     _close(u, v)
     if roles[role].lhs.family == "mx":
       assert not np.allclose(u, t, rtol=1e-3), (name, role)
@@ -296,17 +325,16 @@ def test_deterministic_recipes_are_bitwise_reproducible():
 
 
 def test_random_recipes_follow_the_key():
-  x, w, dy = _normal(0, (64, 64)), _normal(1, (64, 32)), _normal(2, (64, 32))
-  dims = (((1,), (0,)), ((), ()))
+  """(On the programs test_every_role_matches_the_hand_written_reference compiled.)"""
+  x, w, dy = _dense_operands(_normal)
   for name in ("mxfp4-sr", "mxfp4-rh16", "nvfp4"):  # SR only, signs only, per role
-    dg = dot.dot_general(recipes.recipe(name))
-    f = _vjp_fn(dg, dims)
-    a, b, c = (f(x, w, dy, jax.random.key(k)) for k in (1, 1, 2))
+    f = _recipe_vjp_fn(recipes.recipe(name))
+    a, b, c = (f(x, w, dy, jax.random.key(k), LAYER_KEY) for k in (1, 1, 2))
     for role, u, v, t in zip(recipes.ROLES, a, b, c):  # y, dx, dw
       np.testing.assert_array_equal(u, v)
       assert np.array_equal(u, t) != getattr(recipes.recipe(name), role).is_random, (name, role)
     with pytest.raises(ValueError, match="needs key"):
-      dg(x, w, dims)
+      dot.dot_general(recipes.recipe(name))(x, w, DENSE)
 
 
 def test_rotated_forward_is_the_product_of_rotated_operands():
@@ -465,8 +493,9 @@ def test_pallas_backend_matches_xla(name):
 
   pallas_recipe = dataclasses.replace(recipes.recipe(name), backend="pallas")
   assert "pallas_call" in str(jax.make_jaxpr(lambda: value_and_grads(pallas_recipe))())
-  xla = value_and_grads(recipes.recipe(name))
-  pallas = value_and_grads(pallas_recipe)
+  # Compiled (op by op, the interpreted kernels take four times as long).
+  xla = jax.jit(lambda: value_and_grads(recipes.recipe(name)))()
+  pallas = jax.jit(lambda: value_and_grads(pallas_recipe))()
   for a, b in zip(xla, pallas):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

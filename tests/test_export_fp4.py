@@ -1,14 +1,14 @@
 """Packed FP4 exports (`export --quantize`), read back by compressed-tensors and transformers.
 
 One tiny run (2 layers, block 0 kept in bf16, bfloat16 compute) is trained
-once on the NVIDIA NVFP4 recipe. The other recipes are copies of it whose
-config.json records that recipe (as its trainer writes it): what is checked
-is that the export holds the weights the recorded recipe's forward
-multiplies, which depends on the weights and the recipe, not on how the
-weights were reached. The forward's weight operand is taken from the model
-itself: its DotGeneral modules sow the kernel they receive, and fp4jax.dot's
-own operand preparation (flatten, rotate, quantize; the xla backend) gives
-what Fprop multiplies.
+once, on one device with the bf16 recipe (the quickest to compile). The
+recipes are copies of it whose config.json records that recipe (as its
+trainer writes it): what is checked is that the export holds the weights the
+recorded recipe's forward multiplies, which depends on the weights and the
+recipe, not on how the weights were reached. The forward's weight operand is
+taken from the model itself: its DotGeneral modules sow the kernel they
+receive, and fp4jax.dot's own operand preparation (flatten, rotate,
+quantize; the xla backend) gives what Fprop multiplies.
 """
 
 import dataclasses
@@ -36,6 +36,7 @@ from fp4jax.train import export
 from fp4jax.train import export_fp4
 from fp4jax.train import init_from
 from fp4jax.train import trainer
+from sharded_runs import on_first_devices
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow  # trains a run; loads torch and transformers
@@ -62,12 +63,13 @@ def _interop():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("run"))
-  config = tiny_config(**{"quant.name": "nvfp4", "steps": STEPS,
-                          "eval_every": STEPS, "checkpoint_every": STEPS,
-                          "dtype": "bfloat16", "async_checkpointing": False})
+  config = tiny_config(**{"steps": STEPS, "eval_every": STEPS,
+                          "checkpoint_every": STEPS, "dtype": "bfloat16",
+                          "async_checkpointing": False})
   config.model.n_layers = 2
   config.model.bf16_layers = ("block_0",)
-  trainer.train(config, run_dir)
+  with on_first_devices(1):
+    trainer.train(config, run_dir)
   return run_dir
 
 
@@ -120,23 +122,31 @@ def _forward_operands(run_dir):
   """
   cfg, recipe, params = _run(run_dir)
   llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
-  _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
-                        mutable=["intermediates", "perturbations"],
-                        rngs={"quant": jax.random.key(0)})
+
+  @jax.jit  # one program: op by op, the forward compiles hundreds
+  def operands(params):
+    _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
+                          mutable=["intermediates", "perturbations"],
+                          rngs={"quant": jax.random.key(0)})
+    out = {}
+    for layer in linears.BLOCK:
+      node = sown["intermediates"]["block_1"]
+      for key in layer.path.split("/"):
+        node = node[key]
+      rhs = node["DotGeneral_0"]["rhs"][0]
+      op, _, _ = dot._quantized(  # pylint: disable=protected-access
+          backends.module("xla"), rhs, tuple(range(layer.n_in)), False,
+          recipe.fprop.rhs, recipe.fprop.hadamard, None, None,
+          jnp.dtype(recipe.compute_dtype))
+      out[f"model.layers.1.{layer.hf_name[:-len('.weight')]}"] = (op.values,
+                                                                  op.factor)
+    return out
+
   out = {}
-  for layer in linears.BLOCK:
-    node = sown["intermediates"]["block_1"]
-    for key in layer.path.split("/"):
-      node = node[key]
-    rhs = node["DotGeneral_0"]["rhs"][0]
-    op, _, _ = dot._quantized(  # pylint: disable=protected-access
-        backends.module("xla"), rhs, tuple(range(layer.n_in)), False,
-        recipe.fprop.rhs, recipe.fprop.hadamard, None, None,
-        jnp.dtype(recipe.compute_dtype))
-    values = np.asarray(op.values, np.float32)
-    factor = None if op.factor is None else np.float32(op.factor)
-    out[f"model.layers.1.{layer.hf_name[:-len('.weight')]}"] = (
-        values.reshape(values.shape[0], -1).T, factor)
+  for module, (values, factor) in operands(params).items():
+    values = np.asarray(values, np.float32)
+    factor = None if factor is None else np.float32(factor)
+    out[module] = values.reshape(values.shape[0], -1).T, factor
   return out
 
 

@@ -24,14 +24,15 @@ pytestmark = pytest.mark.slow  # every test starts a CLI process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 240
-TINY = ["--config=configs/default.py", "--config.quant=bf16",
-        "--config.model.n_layers=1", "--config.model.dim=32",
-        "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
-        "--config.model.mlp_dim=64", "--config.seq_len=16",
-        "--config.batch_size=2", "--config.eval_batches=1",
-        "--config.eval_batch_size=2", "--config.log_every=1",
-        "--config.async_checkpointing=False", "--config.data.source=files",
-        "--config.data.val_fraction=0.3"]
+# The model and batch shapes of every run here.
+TINY_MODEL = ["--config.model.n_layers=1", "--config.model.dim=32",
+              "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
+              "--config.model.mlp_dim=64", "--config.seq_len=16",
+              "--config.batch_size=2", "--config.eval_batches=1",
+              "--config.eval_batch_size=2"]
+TINY = ["--config=configs/default.py", "--config.quant=bf16", *TINY_MODEL,
+        "--config.log_every=1", "--config.async_checkpointing=False",
+        "--config.data.source=files", "--config.data.val_fraction=0.3"]
 TRAINED = ["--config.steps=4", "--config.eval_every=2",
            "--config.checkpoint_every=2"]
 
@@ -459,9 +460,7 @@ TERM_ABLATION = (
 
 def test_sigterm_to_the_ablation_runner_says_it_was_interrupted(tmp_path):
   rc, out = run("--config=configs/ablation_tiny.py", f"--workdir={tmp_path / 'study'}",
-                "--config.model.n_layers=1", "--config.steps=4", "--config.seq_len=16",
-                "--config.batch_size=8", "--config.eval_batches=1",
-                "--config.eval_batch_size=8", "--config.ablation.recipes=bf16,fp8",
+                *TINY_MODEL, "--config.steps=4", "--config.ablation.recipes=bf16,fp8",
                 "--config.ablation.seeds=1", "--config.ablation.compilation_cache=",
                 "--config.ablation.cpus_per_run=0",  # the patched step is in this process
                 "--config.diagnostics.enabled=False", code=TERM_ABLATION)

@@ -3,7 +3,9 @@
 A "kill" is a BaseException raised at a chosen write (nothing after it in
 the program runs, and no `except Exception` catches it); a full disk is an
 OSError(ENOSPC) raised at a chosen write. The runs are a tiny model of a
-few steps (tests/test_trainer.py's config), made once per module.
+few steps (tests/test_trainer.py's config), made once per module, on one of
+the 8 virtual devices (what is tested does not depend on the mesh; one
+device compiles in half the time, and saves and restores faster).
 """
 
 import builtins
@@ -35,6 +37,7 @@ from fp4jax.train import stall
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.train.metrics_log import read_metrics
+from sharded_runs import on_first_devices
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
@@ -93,6 +96,13 @@ class WriteFaults:
       real[name] = getattr(os, name)
       monkeypatch.setattr(os, name, lambda src, dst, *a, _f=real[name], **k: (
           counted(dst), _f(src, dst, *a, **k))[1])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_device():
+  """The trainer's mesh: the first of the 8 virtual devices."""
+  with on_first_devices(1):
+    yield
 
 
 @pytest.fixture(scope="module")
@@ -629,7 +639,7 @@ def test_a_truncated_newest_checkpoint_is_named_and_the_one_before_used(
   with pytest.raises(errors.UserError, match=r"^the checkpoint at step 8 \(.*\) in .* cannot "
                      r"be read; its other checkpoints: \[4\]$"):
     export.export(str(run), str(tmp_path / "hf8"), step=8)
-  summary = trainer.train(tiny_config(**STEPS, steps=1, init_from=str(run)),
+  summary = trainer.train(tiny_config(**STEPS, init_from=str(run)),  # trained's programs
                           str(tmp_path / "from_run"))
   assert summary["status"] == "completed"
   assert "cannot be read; using step 4" in capfd.readouterr().err
@@ -674,17 +684,19 @@ def _word_tokenizer(directory, vocab):
 
 
 def test_a_resume_from_another_directory_with_another_tokenizer_is_refused(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, trained):
   """data.tokenizer "tok" is read from the current directory: the run started
   in a/ may not resume from b/, whose "tok" is another tokenizer."""
+  del trained  # compiled the programs of its model, which these runs share
   _word_tokenizer(tmp_path / "a" / "tok", ["<s>", "</s>", "a", "def", "return"])
   _word_tokenizer(tmp_path / "b" / "tok", ["<s>", "</s>", "a", "return", "def"])
-  config = tiny_config(**STEPS, steps=2, checkpoint_every=2)
+  config = tiny_config(**STEPS)
   config.data.tokenizer = "tok"
+  config.model.vocab_size = tokenizers.make_tokenizer("bytes").vocab_size  # trained's
   monkeypatch.chdir(tmp_path / "a")
   trainer.train(config, str(tmp_path / "run"))
   monkeypatch.chdir(tmp_path / "b")
-  config.steps = 4
+  config.steps = 12
   with pytest.raises(errors.UserError, match=r"data.tokenizer: '.*/a/tok/tokenizer.json "
                      r"\(sha256 \w+\)' -> '.*/b/tok/tokenizer.json"):
     trainer.train(config, str(tmp_path / "run"))

@@ -18,7 +18,7 @@ TARGET = jnp.sin(X @ jax.random.normal(jax.random.key(1), (32, 32)) / 4)
 
 def _train_linen(model, steps=12, rngs=("quant",)):
   """Adam on a regression loss; returns the losses."""
-  params = model.init(jax.random.key(2), X)["params"]
+  params = jax.jit(model.init)(jax.random.key(2), X)["params"]  # op by op: hundreds of programs
   opt = optax.adam(1e-2)
   state = opt.init(params)
 
@@ -62,21 +62,21 @@ def test_linen_dense_and_dense_general_train():
 
 def test_linen_random_recipe_needs_the_quant_stream():
   model = Mlp(fp4jax.recipe("mxfp4-rh16"))
-  params = model.init({"params": jax.random.key(0), "quant": jax.random.key(1)}, X)
+  params = jax.jit(model.init)({"params": jax.random.key(0), "quant": jax.random.key(1)}, X)
   with pytest.raises(Exception, match="quant"):
     model.apply(params, X)
   det = Mlp(fp4jax.recipe("mxfp4-dh16"))
-  det.apply(det.init(jax.random.key(0), X), X)  # deterministic: no stream needed
+  jax.jit(det.apply)(jax.jit(det.init)(jax.random.key(0), X), X)  # deterministic: no stream needed
 
 
 def test_linen_dense_with_plain_dot_general_argument():
   dg = fp4jax.dot_general(fp4jax.recipe("mxfp4-dh16"))
   dense = nn.Dense(32, dot_general=dg)
-  params = dense.init(jax.random.key(0), X)
-  y = dense.apply(params, X)
+  params = jax.jit(dense.init)(jax.random.key(0), X)
+  y = jax.jit(dense.apply)(params, X)
   k = params["params"]["kernel"]
-  np.testing.assert_allclose(y, dg(X, k, (((1,), (0,)), ((), ()))) + params["params"]["bias"],
-                             rtol=1e-6)
+  want = jax.jit(dg, static_argnums=2)(X, k, (((1,), (0,)), ((), ())))
+  np.testing.assert_allclose(y, want + params["params"]["bias"], rtol=1e-6)
 
 
 class Block(nn.Module):
@@ -108,7 +108,7 @@ def test_capture_sows_operands_and_perturbs_the_output():
   r = fp4jax.recipe("mxfp4-dh16")
   dense = nn.Dense(32, use_bias=False,
                    dot_general_cls=fflax.DotGeneral.partial(recipe=r, capture=True))
-  variables = dense.init(jax.random.key(0), X)
+  variables = jax.jit(dense.init)(jax.random.key(0), X)
   params, perturb = variables["params"], variables["perturbations"]
   c = jax.random.normal(jax.random.key(3), (64, 32))
 
@@ -117,7 +117,7 @@ def test_capture_sows_operands_and_perturbs_the_output():
                            mutable="intermediates")
     return jnp.sum(y * c), inter
 
-  (_, inter), dpert = jax.value_and_grad(loss, argnums=1, has_aux=True)(params, perturb)
+  (_, inter), dpert = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True))(params, perturb)
   lhs, = inter["intermediates"]["DotGeneral_0"]["lhs"]
   rhs, = inter["intermediates"]["DotGeneral_0"]["rhs"]
   np.testing.assert_array_equal(lhs, X)
@@ -156,7 +156,8 @@ def test_nnx_linear_deterministic_recipe():
 def test_nnx_linear_random_recipe_draws_from_the_quant_stream():
   rngs = nnx.Rngs(params=0, quant=1)
   model = NnxMlp(fflax.NNXDotGeneral(fp4jax.recipe("mxfp4-rh16"), rngs), rngs)
-  a, b = model(X), model(X)
+  forward = nnx.jit(lambda m, x: m(x))
+  a, b = forward(model, X), forward(model, X)
   assert not np.array_equal(a, b)  # a fresh key each call
   _assert_learns(_train_nnx(model))
 

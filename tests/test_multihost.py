@@ -55,6 +55,7 @@ def test_two_processes_agree_with_one(tmp_path):
          recipe, str(STEPS)],
         env=env, stdout=log, stderr=subprocess.STDOUT))
   try:
+    _, ref, _ = sharded_runs.reference(recipe, (2, 2, 2))  # while the two processes train
     for p in procs:
       p.wait(timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired:
@@ -73,7 +74,6 @@ def test_two_processes_agree_with_one(tmp_path):
   assert codes == [0, 0], f"exit codes {codes}:\n" + "\n----\n".join(outputs)
 
   got = sharded_runs.metrics(workdir)
-  _, ref, _ = sharded_runs.reference(recipe, (2, 2, 2))
   assert sorted(s for s in got if s) == list(range(1, STEPS + 1))
   # Step 1 runs on the same parameters: only the order of float32 sums
   # differs (Gloo vs in-process all-reduce). Step 2's parameters carry that

@@ -1,6 +1,7 @@
 """Hadamard sign policies: per-layer signs are fixed for the run and differ per layer."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 from flax import nnx
@@ -60,12 +61,14 @@ def test_linen_captured_layer_key_reproduces_the_layer():
   """The sown "layer_key" is what the layer passed as dot_general's layer_key."""
   x = jax.random.normal(jax.random.key(0), (16, 32))
   m = _TwoDense()
-  params = m.init({"params": jax.random.key(0), "hadamard": jax.random.key(9)}, x)["params"]
-  y, inter = m.apply({"params": params}, x, rngs={"hadamard": jax.random.key(9)},
-                     mutable=["intermediates"])
+  params = jax.jit(m.init)({"params": jax.random.key(0), "hadamard": jax.random.key(9)},
+                           x)["params"]
+  y, inter = jax.jit(functools.partial(m.apply, mutable=["intermediates"]))(
+      {"params": params}, x, rngs={"hadamard": jax.random.key(9)})
   sown = inter["intermediates"]["b"]["DotGeneral_0"]
   lhs, rhs, layer_key = sown["lhs"][0], sown["rhs"][0], sown["layer_key"][0]
-  again = dot.dot_general(PER_LAYER)(lhs, rhs, DIMS, layer_key=layer_key) + params["b"]["bias"]
+  layer_b = jax.jit(lambda a, w, k: dot.dot_general(PER_LAYER)(a, w, DIMS, layer_key=k))
+  again = layer_b(lhs, rhs, layer_key) + params["b"]["bias"]
   np.testing.assert_array_equal(y, again)
   other = inter["intermediates"]["a"]["DotGeneral_0"]["layer_key"][0]
   assert not np.array_equal(jax.random.key_data(other), jax.random.key_data(layer_key))
@@ -95,8 +98,8 @@ def _layer_keys_fn(cfg):
 def test_llama_per_layer_keys_are_stable_across_calls_and_differ_across_layers(scan_layers, remat):
   cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat=remat)
   m = model.Llama(cfg, PER_LAYER)
-  params = nn.unbox(m.init({"params": jax.random.key(0), "hadamard": jax.random.key(0)},
-                           TOKENS[:, :-1])["params"])
+  params = nn.unbox(jax.jit(m.init)({"params": jax.random.key(0), "hadamard": jax.random.key(0)},
+                                    TOKENS[:, :-1])["params"])
   layer_keys = _layer_keys_fn(cfg)
   first = layer_keys(params, jax.random.key(4), jax.random.key(0))
   again = layer_keys(params, jax.random.key(4), jax.random.key(1))  # next step's quant key
@@ -113,11 +116,13 @@ def test_llama_per_layer_keys_are_stable_across_calls_and_differ_across_layers(s
 def test_train_and_eval_steps_use_the_same_per_layer_signs_every_step():
   """mxfp4-lh16 is deterministic given the run's layer key: the loss of the same
   params is the same at step 0 and step 5, in evaluation, and equals loss_fn with
-  layer_key(seed_key) (and not with another run's)."""
-  m = model.Llama(CFG, PER_LAYER)
+  layer_key(seed_key) (and not with another run's). One block (its seven
+  linears have their own keys) keeps the three compiles small."""
+  m = model.Llama(dataclasses.replace(CFG, n_layers=1), PER_LAYER)
   tx = optax.sgd(0.0)
   seed_key = jax.random.key(3)
-  state = nn.unbox(train_step.init_state(m, tx, jax.random.key(0), TOKENS.shape[1] - 1))
+  init = jax.jit(lambda key: train_step.init_state(m, tx, key, TOKENS.shape[1] - 1))
+  state = nn.unbox(init(jax.random.key(0)))
   step = jax.jit(train_step.make_train_step(m, tx, lambda s: 0.0, seed_key=seed_key, n_micro=1))
   loss0 = step(state, TOKENS)[1]["loss"]
   loss5 = step(state.replace(step=jnp.int32(5)), TOKENS)[1]["loss"]
