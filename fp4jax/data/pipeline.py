@@ -230,8 +230,14 @@ def _validation_stream(cfg, tokenizer, max_tokens):
   return np.concatenate(pieces)[:max_tokens]
 
 
+class TooManyBatches(ValueError):
+  """validation_windows(disjoint=True) was asked for more batches than the
+  held-out stream holds without overlapping windows."""
+
+
 def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
-                       num_batches, process_index=0, process_count=1):
+                       num_batches, process_index=0, process_count=1,
+                       disjoint=False):
   """The evaluation set: num_batches arrays int32[b, seq_len + 1], b = batch_size // process_count.
 
   The held-out stream (documents in order, BOS doc EOS, at most
@@ -244,7 +250,9 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   windows for every run, seed and recipe. Process p gets rows p*b .. p*b+b-1.
   Returns a Windows list, whose `overlap` says when windows overlap (a
   validation text shorter than the windows asked): then the batch means are
-  not independent and give no standard error.
+  not independent and give no standard error. disjoint: raise TooManyBatches
+  instead when they would overlap (so the windows never outnumber the
+  stream's tokens).
   """
   if seq_len < 1 or batch_size < 1 or num_batches < 1:
     raise ValueError(f"seq_len ({seq_len}), batch size ({batch_size}) and "
@@ -255,6 +263,14 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   if stream.size < length:
     raise ValueError(f"the validation split has {stream.size} tokens, fewer "
                      f"than one window of seq_len + 1 = {length}.")
+  held = stream.size // length // batch_size
+  if disjoint and num_batches > held:
+    which = f"{held:,} batches" if held else "no batch"
+    raise TooManyBatches(
+        f"the validation set's {stream.size:,} tokens (at most "
+        f"data.val_tokens) hold {which} of {batch_size} disjoint windows of "
+        f"seq_len + 1 = {length} tokens" + (f"; give at most {held:,}" if held
+                                            else ""))
   starts = np.round(np.linspace(0, stream.size - length, n)).astype(np.int64)
   windows_BxNxL = stream[starts[:, None] + np.arange(length)].reshape(
       batch_size, num_batches, length)

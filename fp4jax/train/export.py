@@ -281,6 +281,12 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   if layout is not None and quantize is None:
     raise ConvertError(f"--layout {layout!r} needs --quantize (nvfp4 or "
                        "mxfp4); a dense export has one layout")
+  if activations is not None and quantize is None:
+    raise ConvertError(f"--activations {activations!r} needs --quantize "
+                       "(nvfp4 or mxfp4); a dense export quantizes nothing")
+  if calibration_batches is not None and calibration_batches < 1:
+    raise ConvertError(f"--calibration_batches must be >= 1, got "
+                       f"{calibration_batches}")
   config, cfg = run_config(run_dir)
   # A damaged newest checkpoint: the newest readable one (unless --step).
   step, params = checkpointing.restore_params_newest(
@@ -290,11 +296,18 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
       config, cfg, step, quantize, layout or "compressed-tensors", fused_scale,
       activations)
   calibrated = None
+  if calibration_batches is not None and not (packed and packed.calibrates):
+    this = ("is dense" if packed is None else "is MXFP4, whose inputs the "
+            "engine scales itself" if packed.fmt == "mxfp4" else
+            "is W4A16 (--activations none)")
+    raise ConvertError(
+        f"--calibration_batches {calibration_batches} calibrates NVFP4 input "
+        "scales, so it needs --quantize nvfp4 with --activations fp4 (or "
+        f"--layout modelopt); this export {this}")
   if packed is not None and packed.calibrates:
     calibrated = calibration_batches or int(config.get("eval_batches", 1))
-    if calibrated < 1:
-      raise ConvertError(f"--calibration_batches must be >= 1, got {calibrated}")
-    packed.calibrate(config, params, calibrated)
+    packed.calibrate(config, params, calibrated,
+                     given=calibration_batches is not None)
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   tokenizer, tok = _run_tokenizer(tokenizer, config.get("resolved", {}).get("tokenizer"))
   partial = out_dir + ".partial"

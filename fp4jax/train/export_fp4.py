@@ -112,6 +112,12 @@ class PackedExport:
     self._group_cache = {}
     self.recipe = run_recipe(config, step)
     self.plan = fp4_weights.plan(self.recipe, fmt)
+    if layout == "modelopt" and self.plan.rotation is not None:
+      raise ConvertError(
+          f"recipe {self.recipe.name!r} rotates Fprop (Hadamard block "
+          f"{self.plan.rotation.block}), which the modelopt layout cannot "
+          "declare (an engine would not rotate the inputs); use --layout "
+          "compressed-tensors, whose transform_config declares it")
 
   def notice(self):
     """One line for the user when the weights are quantized after training."""
@@ -131,11 +137,16 @@ class PackedExport:
     """Whether the layers need static input scales (NVFP4, FP4 activations)."""
     return self.activations == "fp4" and self.fmt == "nvfp4"
 
-  def calibrate(self, config, params, n_batches):
-    """Sets the input amax of every packed layer from the run's validation
-    batches (config: the run's config.json; params: its parameters)."""
-    amax = input_amax(config, self.cfg, self.recipe, params, n_batches)
-    self.input_amax = amax
+  def calibrate(self, config, params, n_batches, given=True):
+    """Sets the input amax of every packed layer from the run's first
+    `n_batches` validation batches (config: the run's config.json; params:
+    its parameters), each input rotated only as the export declares (the
+    plan's rotation: the engine rotates what `transform_config` names).
+    given: n_batches came from the user, so it may not exceed the batches of
+    disjoint windows the validation set holds (the default, the run's own
+    eval_batches, is what its trainer evaluated on)."""
+    self.input_amax = input_amax(config, self.cfg, self.recipe, params,
+                                 n_batches, self.plan.rotation, given)
 
   def nbytes(self, shape):
     """Bytes of a packed layer whose fp4jax kernel (one layer) has `shape`."""
@@ -257,10 +268,12 @@ def _per_tensor_scale(amax):
   return g if g > 0 else np.float32(1)
 
 
-def input_amax(config, cfg, recipe, params, n_batches):
+def input_amax(config, cfg, recipe, params, n_batches, rotation, bounded):
   """{hf module name: float32 max |input|} of the block linears over the
-  run's first `n_batches` validation batches, through the trained forward
-  (the input as its Fprop quantizes it: flattened and rotated)."""
+  run's first `n_batches` validation batches, through the trained forward:
+  each input flattened as its GEMM contracts it and rotated by `rotation`
+  (recipes.Hadamard: the one the export declares, or None). bounded: refuse
+  more batches than the validation set holds without overlap."""
   data_cfg = pipeline.data_config()
   data_cfg.update(config.get("data", {}))
   from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
@@ -269,12 +282,13 @@ def input_amax(config, cfg, recipe, params, n_batches):
         data_cfg, tokenizers.make_tokenizer(data_cfg.tokenizer),
         seq_len=config["seq_len"],
         batch_size=config.get("eval_batch_size") or config["batch_size"],
-        num_batches=n_batches)
+        num_batches=n_batches, disjoint=bounded)
+  except pipeline.TooManyBatches as e:
+    raise ConvertError(f"--calibration_batches {n_batches}: {e}") from e
   except (ValueError, OSError, ImportError) as e:
     raise ConvertError(f"calibration: the run's validation data: {e}") from e
   cfg, params = _unscanned(cfg, params)
   llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
-  rotation = recipe.fprop.hadamard
 
   @jax.jit
   def batch_amax(tokens):
