@@ -52,7 +52,7 @@ OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 # Names only: fp4jax.backends owns the backends and checks a recipe's choice
 # against the installed jax where it is used (backends.check_recipe).
-BACKENDS = ("xla", "pallas", "native", "auto")
+BACKENDS = ("xla", "pallas", "native", "mosaic", "auto")
 NATIVE_ROUTES = ("auto", "scaled_matmul", "scaled_dot")
 RESIDUALS = ("original", "quantized")
 PLAIN_ROUTES = ("lax", "float32_output")
@@ -119,7 +119,8 @@ class Recipe:
   compute_dtype: dtype the (rotated, dequantized) operands are cast to for the
   GEMM of a role that quantizes or rotates; plain roles run lax.dot_general
   unchanged. backend: "xla" (jnp path), "pallas" (fp4jax.kernels), "native"
-  (block-scaled GEMMs, jax >= 0.11) or "auto" (fp4jax.backends.resolve).
+  (block-scaled GEMMs, jax >= 0.11), "mosaic" (Hopper FP8 tensor cores, jax >=
+  0.12) or "auto" (fp4jax.backends.resolve).
   native_route: the native backend's op, "auto" (by format),
   "scaled_matmul" or "scaled_dot" (fp4jax.backends.native).
   residuals: "original" or "quantized" (module docstring).

@@ -17,7 +17,7 @@ import pytest
 
 from fp4jax import backends, dot, recipes
 from fp4jax.numerics import formats
-from fp4jax.backends import native
+from fp4jax.backends import mosaic, native
 from fp4jax.recipes import Gemm, Recipe
 from tests.helpers import NATIVE_PRESETS, NEW_JAX, native_gemms, native_recipe, needs_new_jax
 
@@ -49,7 +49,8 @@ def test_unsupported_device(device, supported, words):
 
 @pytest.mark.parametrize("platform,capability,version,want", [
     ("cpu", None, (0, 12, 0), "xla"),
-    ("gpu", "9.0", (0, 12, 0), "pallas"),
+    ("gpu", "9.0", (0, 12, 0), "mosaic"),
+    ("gpu", "9.0", (0, 11, 2), "pallas"),
     ("gpu", None, (0, 12, 0), "pallas"),  # ROCm: no compute capability
     ("gpu", "10.0", (0, 12, 0), "native"),
     ("gpu", "10.0", (0, 10, 2), "pallas"),
@@ -76,7 +77,8 @@ def test_recipes_name_every_backend_and_route_and_each_backend_declares_its_layo
   assert set(recipes.BACKENDS) == set(backends.NAMES) | {"auto"}
   assert tuple(recipes.NATIVE_ROUTES) == tuple(backends.NATIVE_ROUTES)
   assert {name: backends.module(name).QUANTIZES_WHOLE_TENSOR_FIRST
-          for name in backends.NAMES} == {"xla": True, "pallas": True, "native": False}
+          for name in backends.NAMES} == {"xla": True, "pallas": True, "native": False,
+                                      "mosaic": True}
 
 
 def test_native_is_refused_on_old_jax(monkeypatch):
@@ -88,6 +90,24 @@ def test_native_is_refused_on_old_jax(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="needs jax >= 0.11"):
       dot.dot_general(Recipe("x", backend="native"))
+
+
+def test_mosaic_is_refused_on_old_jax(monkeypatch):
+  monkeypatch.setattr(backends, "jax_version", lambda: (0, 11, 2))
+  with pytest.raises(ValueError, match=r"backend 'mosaic' needs jax >= 0.12 \(Pallas Mosaic GPU"):
+    dot.dot_general(dataclasses.replace(recipes.recipe("mxfp4"), backend="mosaic"))
+
+
+def test_what_mosaic_takes():
+  e4m3, e5m2, nv = (formats.QuantSpec(f) for f in ("fp8_e4m3", "fp8_e5m2", "nvfp4"))
+  for gemm in (Gemm(MXFP4, MXFP4), Gemm(nv, nv), Gemm(e4m3, e5m2),
+               Gemm(formats.QuantSpec("mxfp8_e4m3"), formats.QuantSpec("mxfp6_e3m2"))):
+    assert mosaic.unsupported(gemm) is None, gemm
+  assert "rhs is not quantized" in mosaic.unsupported(Gemm(MXFP4, None))
+  assert "different blocks (32, None)" in mosaic.unsupported(Gemm(MXFP4, e4m3))
+  assert "block_2d=True" in mosaic.unsupported(recipes.recipe("nvfp4").fprop)
+  assert "not 9.x" in mosaic.unsupported_device(_device("gpu", "NVIDIA B200", "10.0"))
+  assert mosaic.unsupported_device(_device("gpu", "NVIDIA H100", "9.0")) is None
 
 
 def test_what_native_takes_and_the_logged_fallback(caplog):

@@ -31,10 +31,12 @@ and one declaration:
 
 Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
 dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the
-xla GEMM) and `native` (real FP4/FP8 element and E8M0/E4M3 scale arrays into
+xla GEMM), `native` (real FP4/FP8 element and E8M0/E4M3 scale arrays into
 one block-scaled GEMM, jax.nn.scaled_matmul or lax.scaled_dot by format;
-needs jax >= 0.11). A new backend
-is one module here plus its name in NAMES.
+needs jax >= 0.11) and `mosaic` (FP8 values, E2M1 held as E4M3, into
+fp4jax.kernels.hopper_gemm, a Pallas Mosaic GPU kernel for Hopper's FP8
+tensor cores that scales each 32-element block's partial product; needs
+jax >= 0.12). A new backend is one module here plus its name in NAMES.
 
 `resolve(name)` turns "auto" into a backend name for the default device;
 `for_gemm(name, gemm)` returns the module that runs a GEMM; `check_recipe`
@@ -49,9 +51,11 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-NAMES = ("xla", "pallas", "native")
-# Oldest jax a backend runs on (default: the project's floor).
-MIN_JAX = {"native": (0, 11)}
+NAMES = ("xla", "pallas", "native", "mosaic")
+# Oldest jax a backend runs on (default: the project's floor), and what it needs there.
+MIN_JAX = {"native": (0, 11), "mosaic": (0, 12)}
+_NEEDS = {"native": "jax.nn.scaled_matmul with a CPU lowering",
+          "mosaic": "Pallas Mosaic GPU with mixed E4M3 x E5M2 wgmma"}
 # The native backend's GEMM op per route ("auto": by format, native.route_for).
 NATIVE_ROUTES = {"auto": None, "scaled_matmul": ("nn", "scaled_matmul"),
                  "scaled_dot": ("lax", "scaled_dot")}
@@ -66,7 +70,7 @@ def check_jax(name: str):
   need = MIN_JAX.get(name)
   if need is not None and jax_version()[:len(need)] < need:
     raise ValueError(f"backend {name!r} needs jax >= {'.'.join(map(str, need))} "
-                     f"(jax.nn.scaled_matmul with a CPU lowering); installed: jax "
+                     f"({_NEEDS[name]}); installed: jax "
                      f"{jax.__version__} (Python >= 3.12 installs newer jax)")
 
 
@@ -97,19 +101,21 @@ def module(name: str):
 def resolve(name: str) -> str:
   """`name`, or for "auto" the backend for the default device: `native` on NVIDIA
   GPUs with block-scaled matrix units (compute capability >= 10; jax >= 0.11),
-  `pallas` on other GPUs, `xla` elsewhere. Logs an "auto" decision once."""
+  `mosaic` on Hopper (compute capability 9.x; jax >= 0.12), `pallas` on other
+  GPUs, `xla` elsewhere. Logs an "auto" decision once."""
   if name != "auto":
     return name
-  native = module("native")
-  reason = native.unsupported_device()
-  if reason is None and jax_version() < MIN_JAX["native"]:
-    reason = f"jax {jax.__version__} < 0.11"
-  if reason is None:
-    choice = "native"
-  else:
-    choice = "pallas" if jax.default_backend() == "gpu" else "xla"
-  logging.info("fp4jax: backend auto -> %s%s", choice,
-               "" if reason is None else f" (no native block-scaled GEMMs: {reason})")
+  reasons = []
+  for candidate in ("native", "mosaic"):
+    reason = module(candidate).unsupported_device()
+    if reason is None and jax_version() < MIN_JAX[candidate]:
+      reason = f"jax {jax.__version__} < {'.'.join(map(str, MIN_JAX[candidate]))}"
+    if reason is None:
+      logging.info("fp4jax: backend auto -> %s", candidate)
+      return candidate
+    reasons.append(f"{candidate}: {reason}")
+  choice = "pallas" if jax.default_backend() == "gpu" else "xla"
+  logging.info("fp4jax: backend auto -> %s (%s)", choice, "; ".join(reasons))
   return choice
 
 

@@ -1,0 +1,154 @@
+"""The Hopper backend: each GEMM on FP8 tensor cores, one wgmma per 32-element block.
+
+Operands are rotated as in the xla backend and quantized to a QArray
+(fp4jax.numerics.formats.quantize) along the GEMM's contraction axis; the GEMM is
+fp4jax.kernels.hopper_gemm (Pallas Mosaic GPU), which reads both operands
+K-major as [rows, K] FP8 arrays:
+- MX (block 32) and NVFP4 elements as float8_e4m3fn values (E2M1, E2M3, E3M2 and
+  E4M3 are all E4M3 values; E5M2 stays float8_e5m2), their block scales as float32
+  (2^e for E8M0, the E4M3 value for NVFP4) multiplying each block's partial product
+  in the kernel. Blocks of 16 (NVFP4, MX with block_size=16) are zero-padded to 32
+  along K, one block per wgmma: exact, at twice the tensor-core work.
+- per-tensor FP8 (the fp8 recipes): the FP8 values as they are, no block
+  scales; both tensor scales multiply the float32 output.
+NVFP4's global scales and stochastic_dither's 4/3 multiply the float32 output, as
+in every backend. The layout change to [rows, K] (a transpose of one-byte
+elements for an operand blocked along its leading axis) is left to XLA, which
+fuses it into the quantization that writes the elements.
+
+Exactness (the kernel's docstring): for E2M1 operands (MXFP4, NVFP4) the result is
+the sum of exact block partials in increasing K order, one float32 rounding per
+block, so it equals the xla backend's emulation bit for bit when K is one block
+and to float32 summation order otherwise; FP8 elements are multiplied exactly
+but a block's sum is rounded in float32 (as the xla emulation's is, in its own order).
+
+Takes every GEMM whose two operands are both per-tensor FP8, or both MX / NVFP4
+with the same block (16 or 32) of 1D amax-scaled blocks. Others (an unquantized
+operand, 2D weight tiles such as NVFP4's, QuEST or Four over Six scales) run on
+xla (fp4jax.backends.for_gemm). On a CPU the same program runs the kernel's
+jnp reference (fp4jax.kernels.hopper_gemm.reference, bit for bit the kernel's
+sums); on CUDA the compiled kernel. Needs jax >= 0.12 (fp4jax.backends.MIN_JAX).
+
+`unsupported_device()` says why a device is not a Hopper GPU (what backend
+"auto" asks before it picks this backend).
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp4jax.backends import apply_factors
+from fp4jax.kernels import hopper_gemm
+from fp4jax.numerics import formats
+from fp4jax.numerics import operand
+from fp4jax.numerics import scales as scales_lib
+
+CAPABILITY_MAJOR = 9  # Hopper: FP8 wgmma
+BLOCKS = (16, 32)
+# fp4jax.backends: per-tensor FP8 operands are quantized before their layout changes.
+QUANTIZES_WHOLE_TENSOR_FIRST = True
+
+
+class Operand(NamedTuple):
+  """values: FP8 elements (blocked operands: their axis padded to whole 32-blocks);
+  scales: float32 block scales, values' shape with that axis / 32, or None
+  (per-tensor); factor: float32 scalar for the GEMM's output, or None."""
+  values: jax.Array
+  scales: jax.Array | None
+  factor: jax.Array | None
+
+
+def unsupported_device(device=None):
+  """Why `device` (default: the first device) is not a Hopper GPU, or None."""
+  device = jax.devices()[0] if device is None else device
+  if device.platform != "gpu":
+    return f"platform is {device.platform!r}, not an NVIDIA GPU"
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return f"{device.device_kind} reports no compute capability (not CUDA)"
+  if int(str(capability).split(".")[0]) != CAPABILITY_MAJOR:
+    return f"{device.device_kind} has compute capability {capability}, not 9.x (Hopper)"
+  return None
+
+
+def unsupported(gemm):
+  """Why this backend cannot run `gemm` (a recipes.Gemm), or None."""
+  specs = (gemm.lhs, gemm.rhs)
+  for side, spec in zip(("lhs", "rhs"), specs):
+    if spec is None:
+      return f"its {side} is not quantized"
+    if spec.block is not None and not spec.is_plain_blocks:
+      return (f"its {side} has block_2d={spec.block_2d}, block_scale={spec.block_scale!r} "
+              "(mosaic takes 1D amax-scaled blocks)")
+    if spec.block not in (None,) + BLOCKS:
+      return f"its {side} has blocks of {spec.block} (mosaic takes {BLOCKS})"
+  if gemm.lhs.block != gemm.rhs.block:
+    return f"its operands have different blocks ({gemm.lhs.block}, {gemm.rhs.block})"
+  return None
+
+
+def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
+  """See fp4jax.backends; returns an Operand blocked along `axis`."""
+  x = operand.rotate_padded(x, rotation, signs, axis)
+  if spec.block is not None:
+    x = operand.pad_axis(x, axis, spec.block)
+  return from_qarray(formats.quantize(x, spec, axis, key), x.dtype, compute_dtype)
+
+
+def from_qarray(q, dtype, compute_dtype):
+  """See fp4jax.backends; the Operand of a QArray (its axis zero-padded to whole blocks)."""
+  del dtype, compute_dtype  # the GEMM reads the elements as they are
+  values = q.values if q.values.dtype == jnp.float8_e5m2 else q.values.astype(
+      jnp.float8_e4m3fn)
+  if q.spec.block is None:
+    return Operand(values, None, q.scales)
+  block = q.spec.block
+  values = operand.pad_axis(values, q.axis, block)
+  if block < hopper_gemm.BLOCK:  # one block per 32-wide wgmma: the rest zeros
+    shape = values.shape
+    split = shape[:q.axis] + (shape[q.axis] // block, block) + shape[q.axis + 1:]
+    widths = [(0, 0)] * len(split)
+    widths[q.axis + 1] = (0, hopper_gemm.BLOCK - block)
+    values = jnp.pad(values.reshape(split), widths).reshape(
+        shape[:q.axis] + (-1,) + shape[q.axis + 1:])
+  if q.spec.family == "mx":
+    scales = scales_lib.exp2(scales_lib.from_e8m0(q.scales))
+  else:
+    scales = q.scales.astype(jnp.float32)
+  return Operand(values, scales, q.global_scale)
+
+
+def matmul(a, b, dims, precision, out_sharding, route=None):
+  """lax.dot_general(a, b, dims)'s float32 result through hopper_gemm.matmul
+  (`precision` and `route` are other backends')."""
+  del precision, route
+  (ca, cb), (ba, bb) = dims
+  av, asc, a_shape = _batch_rows_k(a, ca, ba)
+  bv, bsc, b_shape = _batch_rows_k(b, cb, bb)
+  args = (av, bv) if asc is None else (av, bv, asc, bsc)
+  y = (hopper_gemm.matmul(*(t[0] for t in args))[None] if av.shape[0] == 1
+       else jax.vmap(hopper_gemm.matmul)(*args))
+  y = y.reshape(a_shape + b_shape[len(bb):])  # dot_general's layout
+  if out_sharding is not None:
+    y = jax.sharding.reshard(y, out_sharding)
+  return apply_factors(y, a.factor, b.factor)
+
+
+def _batch_rows_k(op, contract, batch):
+  """An Operand's values as [B, rows, K] and its scales as [B, K / 32, rows] (or
+  None): batch dims first, then the free dims in order; also their shape."""
+  (axis,) = contract
+  free = [d for d in range(op.values.ndim) if d != axis and d not in batch]
+  perm = list(batch) + free + [axis]
+  values = jnp.transpose(op.values, perm)
+  shape = values.shape[:-1]
+  n_batch, rows = math.prod(shape[:len(batch)]), math.prod(shape[len(batch):])
+  # Per-tensor FP8 is not padded by quantize; the kernel takes whole 32-wide steps.
+  values = operand.pad_axis(values.reshape(n_batch, rows, values.shape[-1]), 2,
+                            hopper_gemm.BLOCK)
+  if op.scales is None:
+    return values, None, shape
+  scales = jnp.transpose(op.scales, list(batch) + [axis] + free)
+  return values, scales.reshape(n_batch, scales.shape[len(batch)], rows), shape

@@ -1,0 +1,186 @@
+"""Block-scaled FP8 GEMM for Hopper (Pallas Mosaic GPU): C[M, N] = A[M, K] B[N, K]^T.
+
+A and B are FP8 (float8_e4m3fn or float8_e5m2, the two may differ), both
+K-major, as Hopper's FP8 wgmma reads them. MXFP4 and NVFP4 run here with their
+E2M1 codes held as float8_e4m3fn values (every E2M1 value is one exactly).
+Optional block scales a_scales [K / 32, M] and b_scales [K / 32, N] (float32:
+one per 32 elements along K, e.g. an E8M0 scale as 2^e) multiply each block's
+partial product: per 32-wide K step, one wgmma (K = 32 for FP8) writes the
+block's products into a fresh float32 accumulator, and the compute warpgroup
+adds `partial * a_scale[m] * b_scale[n]` to the float32 output it carries
+(DeepGEMM's promotion of FP8 partial sums, here per block). Without scales the
+partials are added as they are (per-tensor FP8: the caller applies the
+scales to C).
+
+Exactness: the products of one block of E2M1 values are multiples of 0.25 up
+to 36 in magnitude and their sum of 32 is at most 1152: exact in the tensor
+core's accumulator; a power-of-two scale (or a product of two E4M3 scales, for
+NVFP4's 16-element blocks padded to 32 with zeros) multiplies it exactly, away
+from float32's overflow and underflow. C is then the sum of exact block
+partials in increasing K order, rounded once per block: `reference` below.
+
+Structure (as jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu): one CTA per
+[2 * tile_m, tile_n] output tile; a memory warpgroup streams A, B and their
+scales through TMA into `stages` shared-memory slots
+(plgpu.emit_pipeline_warp_specialized) and two compute warpgroups, one per
+[tile_m, tile_n] half, issue the wgmma of each block and scale its partial.
+M and N are zero-padded to whole tiles and C cut back; K must be a multiple of
+32 (the quantizers pad it).
+
+interpret: False compiles for the GPU; True (or an InterpretGPUParams) runs
+jax's Mosaic GPU interpreter (CPU; slow, for tests); None follows the
+lowering platform (compiled for CUDA, interpreted elsewhere), as
+fp4jax.kernels.target does for the Triton kernels. Needs jax >= MIN_JAX.
+"""
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from fp4jax.kernels import target
+from fp4jax.numerics import operand
+
+BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block scale
+TILE = (64, 128)  # [tile_m, tile_n] of one compute warpgroup
+STAGES = 4  # shared-memory slots of the TMA pipeline
+MIN_JAX = (0, 12)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
+FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def unavailable():
+  """Why this jax cannot build the kernel (one line), or None."""
+  if tuple(jax.__version_info__[:2]) < MIN_JAX:
+    return (f"the Mosaic GPU GEMM needs jax >= {'.'.join(map(str, MIN_JAX))}; "
+            f"installed: jax {jax.__version__}")
+  try:
+    from jax.experimental.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    return f"jax {jax.__version__} has no Pallas Mosaic GPU ({e})"
+  return None
+
+
+def _plgpu():
+  reason = unavailable()
+  if reason:
+    raise RuntimeError(reason)
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu
+
+
+def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
+  """One CTA: C[2 tile_m, tile_n] at grid point (m, n)."""
+  plgpu = _plgpu()
+  if scaled:
+    sa_gmem, sb_gmem, c_gmem, out_smem = rest
+  else:
+    c_gmem, out_smem = rest
+  m_slice = pl.ds(lax.axis_index("m") * 2 * tile_m, 2 * tile_m)
+  n_slice = pl.ds(lax.axis_index("n") * tile_n, tile_n)
+  wg = lax.axis_index("wg")
+  wg_rows = pl.ds(wg * tile_m, tile_m)
+  operand_transforms = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))
+
+  def compute(run_pipeline):
+    acc = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+    acc = run_pipeline(acc)
+    out_smem.at[wg][...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[wg], c_gmem.at[m_slice, n_slice].at[wg_rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  def step(_, a_smem, b_smem, *scales_and_acc):
+    *scales, acc = scales_and_acc
+
+    def block_product(part_ref):
+      plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
+      return part_ref[...]
+
+    part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+    if scaled:
+      sa_smem, sb_smem = scales
+      sa = plgpu.load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+      sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
+      part = (part * lax.broadcast_in_dim(sa, part.shape, [0])
+              * lax.broadcast_in_dim(sb, part.shape, [1]))
+    return acc + part
+
+  in_specs = [
+      plgpu.BlockSpec((2 * tile_m, BLOCK), lambda k: (0, k), transforms=operand_transforms),
+      plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=operand_transforms)]
+  operands = [a_gmem.at[m_slice], b_gmem.at[n_slice]]
+  if scaled:
+    in_specs += [plgpu.BlockSpec((1, 2 * tile_m), lambda k: (k, 0)),
+                 plgpu.BlockSpec((1, tile_n), lambda k: (k, 0))]
+    operands += [sa_gmem.at[:, m_slice], sb_gmem.at[:, n_slice]]
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      step, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+      num_compute_wgs=2, max_concurrent_steps=min(stages, k_steps), compute_context=compute)
+  pipeline(*operands)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tile", "stages"))
+def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, stages=STAGES):
+  """C[M, N] float32 = sum over K-blocks j of (A_j B_j^T) * a_scales[j] b_scales[j]^T.
+
+  a: [M, K] FP8, b: [N, K] FP8 (K-major), K a multiple of 32; a_scales [K/32, M],
+  b_scales [K/32, N] float32 or both None. tile: (tile_m, tile_n) of one compute
+  warpgroup (tile_m a multiple of 64, tile_n of 8, at most 256).
+  """
+  plgpu = _plgpu()
+  (m, k), (n, k2) = a.shape, b.shape
+  if k != k2 or k % BLOCK or a.dtype not in FP8 or b.dtype not in FP8:
+    raise ValueError(f"operands must be FP8 [M, K] and [N, K] with K a multiple of {BLOCK}; "
+                     f"got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+  scaled = a_scales is not None
+  if scaled != (b_scales is not None) or scaled and (
+      a_scales.shape != (k // BLOCK, m) or b_scales.shape != (k // BLOCK, n)):
+    raise ValueError(f"block scales must be [K/32, M] and [K/32, N] or both None; got "
+                     f"{None if a_scales is None else a_scales.shape} and "
+                     f"{None if b_scales is None else b_scales.shape} for M, N, K = {m, n, k}")
+  tm, tn = tile or TILE
+  pm, pn = target.whole_tiles(m, 2 * tm), target.whole_tiles(n, tn)
+  operands = [operand.pad_axis(a, 0, 2 * tm), operand.pad_axis(b, 0, tn)]
+  if scaled:
+    operands += [operand.pad_axis(a_scales.astype(jnp.float32), 1, 2 * tm),
+                 operand.pad_axis(b_scales.astype(jnp.float32), 1, tn)]
+  out_smem = plgpu.SMEM((2, tm, tn), jnp.float32)
+  call = lambda interpret_as: plgpu.kernel(
+      functools.partial(_kernel, k_steps=k // BLOCK, tile_m=tm, tile_n=tn, scaled=scaled,
+                        stages=stages),
+      out_type=jax.ShapeDtypeStruct((pm, pn), jnp.float32),
+      scratch_types=[out_smem],
+      grid=(pm // (2 * tm), pn // tn), grid_names=("m", "n"),
+      num_threads=3, thread_name="wg", interpret=interpret_as,
+      kernel_name=f"fp4jax_hopper_gemm_{m}x{n}x{k}")  # SASS per GEMM (bench.hlo_stats)
+  if interpret is None:  # the interpreter's callbacks cannot sit in a platform_dependent
+    c = lax.platform_dependent(*operands, cuda=call(False),
+                               default=lambda *x: _reference_padded(*x, scaled=scaled))
+  else:
+    c = call(_interpret_params() if interpret is True else interpret)(*operands)
+  return target.cut_to(c, (m, n))
+
+
+def _interpret_params():
+  """jax's Mosaic GPU interpreter's default parameters (jax has no public name for
+  them yet; plgpu.kernel runs the interpreter when given them)."""
+  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+  return params.InterpretGPUParams()
+
+
+def _reference_padded(*operands, scaled):
+  return reference(*operands) if scaled else reference(*operands[:2])
+
+
+def reference(a, b, a_scales=None, b_scales=None):
+  """What `matmul` computes, in jnp: each block's exact partial in float32, scaled,
+  summed over blocks in increasing K order (one rounding per block)."""
+  (m, k), n = a.shape, b.shape[0]
+  parts = jnp.einsum("mjb,njb->jmn", a.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK),
+                     b.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK),
+                     precision=lax.Precision.HIGHEST)
+  if a_scales is not None:
+    parts = parts * a_scales.astype(jnp.float32)[:, :, None] * b_scales.astype(jnp.float32)[:, None, :]
+  return lax.fori_loop(0, k // BLOCK, lambda j, acc: acc + parts[j], jnp.zeros((m, n), jnp.float32))

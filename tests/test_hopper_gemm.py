@@ -1,0 +1,118 @@
+"""fp4jax.kernels.hopper_gemm and the `mosaic` backend on the CPU.
+
+The kernel runs in jax's Mosaic GPU interpreter (jax >= 0.12; the tests skip,
+naming the installed jax, before that). What is asserted:
+- the interpreted kernel equals its jnp reference (block partials summed in K
+  order) bit for bit, scaled E2M1 and unscaled E4M3 x E5M2, on shapes that tile
+  and that do not;
+- through fp4jax.dot_general, forward and backward, the backend with the
+  interpreted kernel equals the backend's CPU program (the reference) bit for bit;
+- that program equals the xla emulation bit for bit for E2M1 recipes where every
+  GEMM contracts one 32-block (then no summation order can differ), and within
+  float32 summation-order error elsewhere (and for fp8, whose block sums round).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fp4jax import dot, recipes
+from fp4jax.kernels import hopper_gemm
+
+pytestmark = pytest.mark.skipif(hopper_gemm.unavailable() is not None,
+                                reason=str(hopper_gemm.unavailable()))
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+DENSE = (((1,), (0,)), ((), ()))
+
+
+def _e2m1(key, shape):
+  codes = jax.random.randint(key, shape, 0, 16)
+  values = jnp.asarray(E2M1)[codes % 8] * jnp.where(codes >= 8, -1.0, 1.0)
+  return values.astype(jnp.float8_e4m3fn)
+
+
+def _pow2(key, shape):
+  return 2.0 ** jax.random.randint(key, shape, -6, 7).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 128, 64), (72, 136, 96)], ids=["tiles", "ragged"])
+def test_interpreted_kernel_is_its_reference_bit_for_bit(m, n, k):
+  ka, kb, ksa, ksb = jax.random.split(jax.random.key(m + n + k), 4)
+  a, b = _e2m1(ka, (m, k)), _e2m1(kb, (n, k))
+  sa, sb = _pow2(ksa, (k // 32, m)), _pow2(ksb, (k // 32, n))
+  got = hopper_gemm.matmul(a, b, sa, sb, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(hopper_gemm.reference(a, b, sa, sb)))
+  # Unscaled FP8, the two element types mixed (Dgrad and Wgrad of the fp8 recipe).
+  a8 = jax.random.normal(ka, (m, k)).astype(jnp.float8_e4m3fn)
+  b8 = (100 * jax.random.normal(kb, (n, k))).astype(jnp.float8_e5m2)
+  got = hopper_gemm.matmul(a8, b8, interpret=True)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(hopper_gemm.reference(a8, b8)))
+
+
+def test_the_kernel_refuses_operands_it_cannot_take():
+  a = jnp.zeros((64, 48), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="K a multiple of 32"):
+    hopper_gemm.matmul(a, a)
+  a = jnp.zeros((64, 64), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match=r"block scales must be \[K/32, M\]"):
+    hopper_gemm.matmul(a, a, jnp.ones((2, 64)), None)
+
+
+def _recipe(name, backend):
+  return dataclasses.replace(recipes.recipe(name), backend=backend)
+
+
+@functools.cache
+def _fwd_bwd(name, backend, m, k, n, interpret=False):
+  """(y, dx, dw) of the recipe's dot_general on x[m, k] . w[k, n] (normal, seeded),
+  one jitted program; interpret: the kernel in jax's interpreter, not its reference."""
+  kx, kw = jax.random.split(jax.random.key(m * k * n))
+  x, w = jax.random.normal(kx, (m, k)), jax.random.normal(kw, (k, n)) / np.sqrt(k)
+  dg = dot.dot_general(_recipe(name, backend))
+  key = jax.random.key(7)
+
+  def loss(x, w):
+    y = dg(x, w, DENSE, key=key, layer_key=key)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))), y
+
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  if interpret:
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(hopper_gemm, "matmul", functools.partial(hopper_gemm.matmul, interpret=True))
+      (_, y), (dx, dw) = run(x, w)
+  else:
+    (_, y), (dx, dw) = run(x, w)
+  return [np.asarray(t) for t in (y, dx, dw)]
+
+
+RECIPES = ["mxfp4", "mxfp4-dh16", "mxfp4-sr", "nvfp4", "fp8"]
+# Every GEMM of x[40, 64] . w[64, 72] contracts 2 or 3 blocks, and none tiles.
+RAGGED = (40, 64, 72)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8"])
+def test_the_interpreted_kernel_is_the_backend_bit_for_bit_fwd_and_bwd(name):
+  """MXFP4's 32-blocks, NVFP4's 16-blocks padded to 32 with E4M3 scales and global
+  factors (its Wgrad; Fprop and Dgrad take xla for the weight's 2D tiles), fp8's
+  unscaled E4M3 x E5M2."""
+  for got, ref in zip(_fwd_bwd(name, "mosaic", *RAGGED, interpret=True),
+                      _fwd_bwd(name, "mosaic", *RAGGED)):
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4-dh16", "mxfp4-sr", "nvfp4"])
+def test_one_block_per_gemm_is_the_xla_emulation_bit_for_bit(name):
+  for got, ref in zip(_fwd_bwd(name, "mosaic", 32, 32, 32), _fwd_bwd(name, "xla", 32, 32, 32)):
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_many_blocks_are_the_xla_emulation_to_float32_summation_order(name):
+  for got, ref in zip(_fwd_bwd(name, "mosaic", *RAGGED), _fwd_bwd(name, "xla", *RAGGED)):
+    # |error| <= (terms summed) * 2^-24 * sum |a||b|, and sum |a||b| is a few times
+    # max |ref| here: a bound on the largest entry's scale holds with margin.
+    np.testing.assert_allclose(got, ref, rtol=0, atol=96 * 2.0**-24 * 8 * np.abs(ref).max())
