@@ -14,7 +14,9 @@ one resumes from its checkpoint, so the command can simply be run again.
 finishes (fp4jax.experiments.committed), runs complete there are skipped
 (the study resumes from what is in git, the workdir may be gone), and the
 report is written in FOLDER; --git_commit commits each finished run's folder
-(and the declaration record) on its own, nothing else.
+(and the declaration record) on its own, nothing else. A FOLDER/<run> that
+is, holds or lies inside a run (FOLDER = WORKDIR, or inside a run), or that
+holds folders, is refused before anything is written (run_layout.check_output).
 
 A study folder belongs to the config recorded in its ablation_config.json
 (never replaced); a rerun with another config, or finished runs trained with
@@ -253,6 +255,12 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   runs = [(arm, seed, report.run_dir(workdir, arm.name, seed, len(seeds)))
           for i, seed in enumerate(seeds) for arm in arms if i < counts[arm.name]]
   out = results or workdir
+  if results:  # each run's published folder replaces none of a run's
+    for _, _, path in runs:
+      run_layout.check_output(
+          _results_dir(results, path), "--results run folder",
+          reads=[p for _, _, p in runs], reading="trains a run in",
+          is_own=run_layout.holds_no_folder, own="a run's published records (files only)")
   if git_commit:  # before anything is written or trained
     committed.check_repository([results] + ([config.ablation.declaration]
                                             if config.ablation.declaration else []))
@@ -346,14 +354,19 @@ def _published(results, path):
   """RESULTS/<run> when it holds the complete records of run `path`, else None."""
   if not results:
     return None
-  dst = os.path.join(results, os.path.basename(path))
+  dst = _results_dir(results, path)
   return dst if committed.is_complete(dst) else None
+
+
+def _results_dir(results, path):
+  """RESULTS/<run>: where the run `path` is published."""
+  return os.path.join(results, os.path.basename(path))
 
 
 def _publish(results, git_commit, arm, seed, path):
   """Copies the finished run `path` into RESULTS/<run> (and commits it)."""
   if results:
-    dst = committed.publish(path, os.path.join(results, os.path.basename(path)))
+    dst = committed.publish(path, _results_dir(results, path))
     if git_commit:
       committed.git_commit([dst], f"{dst}: {arm.name} seed {seed} finished")
 

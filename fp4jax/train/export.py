@@ -21,8 +21,11 @@ tensors in --dtype. Bad input: one line, exit code 2.
 The export is written into OUT_DIR.partial beside OUT_DIR and renamed to
 OUT_DIR once complete, so a killed export leaves no OUT_DIR (only the
 .partial folder, removed by the next export). An existing OUT_DIR is refused
-unless --overwrite, which replaces it only then, in one atomic exchange; a
-full disk removes the partial folder and names the space needed (exit 2).
+unless --overwrite, which replaces it only then, in one atomic exchange, and
+only when it is an export (`is_export`); a full disk removes the partial
+folder and names the space needed (exit 2). An OUT_DIR that is, holds or
+lies inside RUN_DIR or any run or checkpoint, or is a symbolic link, is
+refused before anything is read or written (run_layout.check_output).
 """
 
 import argparse
@@ -244,11 +247,27 @@ def _kernel(params, path, layer):
   return np.asarray(jax.device_get(leaf if layer is None else leaf[layer]))
 
 
-def _check_target(out_dir, overwrite):
-  """ConvertError if `out_dir` is a file, or an export to keep (no --overwrite)."""
+def is_export(path):
+  """True for a folder an export wrote: config.json and the weights
+  (model.safetensors or its index), files only."""
+  names = os.listdir(path)
+  return (CONFIG_FILE in names and (SINGLE_FILE in names or INDEX_FILE in names)
+          and run_layout.holds_no_folder(path))
+
+
+def _check_target(run_dir, out_dir, overwrite):
+  """ConvertError if `out_dir` is a file, or an export to keep (no
+  --overwrite); errors.UserError if it, or the OUT_DIR.partial a killed
+  export left, is a folder the export must not replace
+  (run_layout.check_output)."""
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise ConvertError(f"OUT_DIR {out_dir!r} is a file, not a folder; give "
                        "the folder to write the export into (it is created)")
+  run_layout.check_output(out_dir, "OUT_DIR", reads=[run_dir], is_own=is_export,
+                          own="an export (config.json and model weights, no folder)")
+  run_layout.check_output(out_dir + ".partial", "OUT_DIR.partial", reads=[run_dir],
+                          is_own=run_layout.holds_no_folder,
+                          own="a partial export (files only)")
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
     raise ConvertError(f"OUT_DIR {out_dir!r} exists and is not empty; pass "
                        "--overwrite to replace it (once the new export is "
@@ -277,7 +296,7 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   if not max_shard_gb > 0:
     raise ConvertError(f"--max_shard_gb must be > 0, got {max_shard_gb}")
   out_dir = os.path.normpath(out_dir)
-  _check_target(out_dir, overwrite)
+  _check_target(run_dir, out_dir, overwrite)
   if layout is not None and quantize is None:
     raise ConvertError(f"--layout {layout!r} needs --quantize (nvfp4 or "
                        "mxfp4); a dense export has one layout")

@@ -16,12 +16,19 @@ ablation runner) give a run's files, their paths, and the readers of them.
 
 A saved config is judged by one rule, `usable_config`: a JSON object with
 the model, quant and resolved blocks the trainer writes (records.RunConfig).
+
+No command writes over a run: `check_output` refuses a folder a command would
+fill or replace (an export, a study's results) when it is, holds or lies
+inside a run or a checkpoint, is a symbolic link, or is some other folder
+than the command's own kind; every command that replaces a folder asks it
+first, before anything is written.
 """
 
 import json
 import os
 
 from fp4jax import checkpointing
+from fp4jax import errors
 from fp4jax import records
 
 CHECKPOINTS = "checkpoints"
@@ -72,6 +79,83 @@ def is_run_or_checkpoint(path):
   """True when `path` is a run directory (it has checkpoints/) or one of its
   checkpoints (checkpointing.is_checkpoint)."""
   return os.path.isdir(checkpoints(path)) or checkpointing.is_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------
+# What no command writes over.
+
+
+def _inside(path, folder):
+  """True when the real path `path` is `folder` or lies inside it."""
+  return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _run_of(path):
+  """The run or checkpoint that the real path `path` is or lies inside, or None."""
+  while True:
+    if is_run_or_checkpoint(path):
+      return path
+    parent = os.path.dirname(path)
+    if parent == path:
+      return None
+    path = parent
+
+
+def holds_no_folder(path):
+  """True when the folder `path` holds files only (what an export or a
+  study's published run holds; a run holds checkpoints/)."""
+  return not any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def check_output(path, what, *, reads=(), reading="reads", is_own, own):
+  """Refuses (errors.UserError, one line naming `what` `path`) a folder that
+  a command is about to fill or replace, before anything is written:
+
+  - a symbolic link (named with its target: replacing the link would leave
+    the folder it points to, writing through it would replace that folder);
+  - a folder that is or lies inside a run or a checkpoint
+    (`is_run_or_checkpoint`), or one of `reads` (the folders the command
+    `reading`: "reads", "trains a run in"; they need not exist yet), or
+    holds one of them;
+  - an existing folder that holds anything but is not `is_own(path)` (a
+    function of the path; `own` says what that is, e.g. "an export"): the
+    only folder a command replaces is one it wrote.
+
+  A path that does not exist yet passes unless it would lie inside a run.
+  """
+  if os.path.islink(path):
+    raise errors.UserError(
+        f"{what} {path!r} is a symbolic link to {os.readlink(path)!r}; it is not "
+        "followed or replaced: give the folder itself, or another folder")
+  real = os.path.realpath(path)
+  for read in reads:
+    read_real = os.path.realpath(read)
+    if _inside(real, read_real) or _inside(read_real, real):
+      how = ("is" if real == read_real else "lies inside" if _inside(real, read_real)
+             else "holds")
+      raise errors.UserError(
+          f"{what} {path!r} {how} {read!r}, which this command {reading}; give a "
+          "folder outside it")
+  run = _run_of(real)
+  if run is not None:
+    shown = os.path.normpath(os.path.join(path, os.path.relpath(run, real)))
+    how = "is" if run == real else (
+        f"lies inside {shown if os.path.realpath(shown) == run else run!r},")
+    raise errors.UserError(
+        f"{what} {path!r} {how} a run or checkpoint; it is never written over: "
+        "give a folder outside it")
+  if not os.path.isdir(real) or not os.listdir(real):
+    return
+  held = [os.path.join(path, name) for name in sorted(os.listdir(real))
+          if is_run_or_checkpoint(os.path.join(real, name))]
+  if held:
+    raise errors.UserError(
+        f"{what} {path!r} holds the run or checkpoint {held[0]!r}; it is never "
+        "written over: give a folder outside it")
+  if not is_own(real):
+    raise errors.UserError(
+        f"{what} {path!r} exists and is not {own}; only such a folder is replaced: "
+        "give another folder")
 
 
 # ---------------------------------------------------------------------------
