@@ -22,6 +22,7 @@ from fp4jax.experiments import ablation
 def get_config():
   config = train_config.base_config()
   config.model = train_config.model_template("llama-125m")
+  config.model.scan_layers = False  # the diagnostics read each block's module path
   config.dtype = "bfloat16"
   config.steps = 1500
   config.batch_size = 32

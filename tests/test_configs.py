@@ -20,3 +20,28 @@ def test_a_config_file_loads_with_steps_and_a_recipe(path):
   config = cli.load_config_file(path + (":1e-2" if path.endswith("stress_tiny.py") else ""))
   assert config.steps >= 1
   assert config.quant.name
+
+
+def test_blocks_are_scanned_by_default_on_gpus_where_no_block_needs_its_own_path(monkeypatch):
+  """model.scan_layers unset: scanned on GPUs (the fast compile), not on the CPU, and
+  never where bf16_layers or the per-block Wgrad switch name blocks."""
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  from fp4jax.train import config as train_config  # pylint: disable=g-import-not-at-top
+  config = cli.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
+  scanned = lambda c: train_config.resolve(c, tokenizer)[0].scan_layers
+  assert config.model.scan_layers is None and not scanned(config)
+  monkeypatch.setattr(train_config.jax, "default_backend", lambda: "gpu")
+  assert scanned(config)
+  config.model.bf16_layers = ("head",)
+  assert scanned(config)
+  config.model.bf16_layers = ("block_0",)
+  assert not scanned(config)
+  config.model.bf16_layers = ()
+  config.adaptive_wgrad.enabled = True
+  assert not scanned(config)
+  config.adaptive_wgrad.enabled = False
+  config.model.scan_layers = False
+  assert not scanned(config)
+  ablation = cli.load_config_file(os.path.join(ROOT, "configs", "ablation_gpu.py"))
+  assert ablation.model.scan_layers is False  # its diagnostics read per-block paths

@@ -1,7 +1,8 @@
 """Every GPU path of fp4jax through XLA's GPU compiler, on a machine without a GPU.
 
   python -m fp4jax.bench gpu_compile --target h200|b200 [--what linear,kernels,...]
-      [--out REPORT.json] [--against REPORT.json] [--no-sass]
+      [--arms RECIPE:BACKEND[:ROUTE],...] [--out REPORT.json] [--against REPORT.json]
+      [--no-sass]
 
 Needs jax's CUDA plugin (`pip install -e ".[gpu-compile]"`, Python >= 3.12);
 no GPU. The target's device description (fp4jax/bench/gpu_targets/NAME.txtpb)
@@ -21,15 +22,24 @@ Programs (`--what`, default all):
   kernels    every Pallas kernel as the pallas backend calls it (KERNELS)
   step-tiny, step-125m  the trainer's jitted train step of configs/default.py
              and configs/ablation_gpu.py, per STEP_ARMS
+  step-125m-scanned  the same 125M step with its blocks under nn.scan
+             (model.scan_layers: one block to compile, not 12)
   block-8b   one Llama 3.1-8B block (remat full, bf16) forward and backward on
              2 x 8192 tokens (one device's micro-batch of configs/llama3_8b_c4.py)
-For every program: compiled or the one-line error, its GEMMs by kind
+`--arms` keeps only the listed arms of each program (linear, steps, block).
+For every program: compiled or the one-line error, the seconds to lower and
+compile it, the CPU seconds this process (and its children) spent in them (a
+measure a loaded machine changes less) and the machine's load average (1, 5,
+15 min) when it finished, its
+size (lines of the lowered StableHLO, kernels of the compiled program:
+fp4jax.bench.hlo_stats.kernel_counts), its GEMMs by kind
 (fp4jax.bench.hlo_stats.gemms), the tensor-core instructions of each GEMM
 kernel read from the compiled binary (fp4jax.bench.gpu_binary; --no-sass
 skips it) and the memory the program needs: arguments + outputs + temporaries
 - aliased bytes (XLA's buffer assignment). The JSON report (--out, rewritten
 after each program, so an interrupted run keeps what it finished) records the
-date, the git commit and the jax versions. Exits 1 naming what failed to compile.
+date, the git commit, the jax versions and the CPU count. Exits 1 naming what
+failed to compile.
 """
 
 import argparse
@@ -72,10 +82,14 @@ LINEAR_ARMS = (("bf16", "xla", None), ("fp8", "xla", None),
                ("mxfp4", "native", "scaled_matmul"),
                ("mxfp4-dh16", "xla", None), ("mxfp4-dh16", "pallas", None),
                ("mxfp4-dh16", "native", None), ("nvfp4", "xla", None), ("nvfp4", "native", None))
-STEP_ARMS = (("bf16", "xla", None), ("mxfp4-dh16", "xla", None), ("mxfp4-dh16", "pallas", None),
-             ("mxfp4-dh16", "native", None), ("nvfp4", "native", None))
-STEP_CONFIGS = {"step-tiny": "configs/default.py", "step-125m": "configs/ablation_gpu.py"}
-PROGRAMS = ("linear", "kernels", "step-tiny", "step-125m", "block-8b")
+STEP_ARMS = (("bf16", "xla", None), ("fp8", "xla", None), ("mxfp4-dh16", "xla", None),
+             ("mxfp4-dh16", "pallas", None), ("mxfp4-dh16", "native", None),
+             ("nvfp4", "native", None))
+# program -> (config file, scan_layers)
+STEP_CONFIGS = {"step-tiny": ("configs/default.py", False),
+                "step-125m": ("configs/ablation_gpu.py", False),
+                "step-125m-scanned": ("configs/ablation_gpu.py", True)}
+PROGRAMS = ("linear", "kernels", "step-tiny", "step-125m", "step-125m-scanned", "block-8b")
 BLOCK_TOKENS = (2, 8192)
 
 
@@ -88,7 +102,11 @@ class Row:
   compiled: bool = False
   error: str | None = None
   seconds: float = 0.0
+  cpu_seconds: float = 0.0  # CPU time of this process and its children in those seconds
   memory_mib: float | None = None
+  load_avg: tuple | None = None  # os.getloadavg() when the compile ended
+  lowered_lines: int = 0  # lines of the lowered StableHLO module
+  kernels: int = 0  # kernels the compiled program launches (hlo_stats.kernel_counts)
   gemms: list = dataclasses.field(default_factory=list)  # hlo_stats.gemms + role, mma
   triton_calls: int = 0  # Pallas kernels compiled by Triton (__gpu$xla.gpu.triton)
   pallas_mma: dict | None = None  # "kernels" rows: SASS matrix instructions of the kernel
@@ -117,21 +135,26 @@ def _one_line(error):
 
 def compile_row(row, build, mesh, sass=True):
   """Fills `row` from build() -> jax Lowered, compiled for the mesh's device."""
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), _cpu_seconds()
   try:
     with sharding.use_mesh(mesh):
-      compiled = build().compile(COMPILE_OPTIONS)
+      lowered = build()
+      compiled = lowered.compile(COMPILE_OPTIONS)
   except Exception as e:  # pylint: disable=broad-except  (reported, the rest goes on)
     row.error, row.seconds = _one_line(e), time.perf_counter() - start
+    row.cpu_seconds, row.load_avg = _cpu_seconds() - cpu, os.getloadavg()
     print(f"gpu_compile: {row.program} {row.recipe} {row.backend}: {row.error}",
           file=sys.stderr, flush=True)
     return row
   row.compiled, row.seconds = True, time.perf_counter() - start
+  row.cpu_seconds, row.load_avg = _cpu_seconds() - cpu, os.getloadavg()
+  row.lowered_lines = lowered.as_text().count("\n")
   stats = compiled.memory_analysis()
   if stats is not None:
     row.memory_mib = (stats.argument_size_in_bytes + stats.output_size_in_bytes
                       + stats.temp_size_in_bytes - stats.alias_size_in_bytes) / 2**20
   text = compiled.as_text()
+  row.kernels = sum(hlo_stats.kernel_counts(text).values())
   row.triton_calls = text.count('custom_call_target="__gpu$xla.gpu.triton"')
   row.gemms = hlo_stats.gemms(text)
   for g in row.gemms:
@@ -143,6 +166,11 @@ def compile_row(row, build, mesh, sass=True):
   print(f"gpu_compile: {row.program} {row.recipe} {row.backend}: {_status(row)}",
         file=sys.stderr, flush=True)
   return row
+
+
+def _cpu_seconds():
+  t = os.times()
+  return t.user + t.system + t.children_user + t.children_system
 
 
 def _add_sass(row, compiled):
@@ -233,10 +261,11 @@ def kernel_rows(mesh, sass):
 def step_rows(program, mesh_devices, sass, arms=STEP_ARMS):
   """The trainer's train step of STEP_CONFIGS[program] per arm."""
   from fp4jax.bench import train_speed  # pylint: disable=g-import-not-at-top
+  path, scan_layers = STEP_CONFIGS[program]
   rows = []
   for name, backend, route in arms:
-    config = train_speed.run_config(cli.load_config_file(STEP_CONFIGS[program]), name, backend,
-                                    steps=1)
+    config = train_speed.run_config(cli.load_config_file(path), name, backend, steps=1,
+                                    scan_layers=scan_layers)
     if route:
       config.quant.native_route = route
     tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
@@ -304,25 +333,31 @@ def markdown(rows):
   others = [r for r in rows if r.program != "linear"]
   if others:
     out += ["", "| program | recipe | backend | compiled | Triton kernels | GEMMs | "
-            "SASS matrix instructions | MiB |", "|---|---|---|---|---|---|---|---|"]
+            "SASS matrix instructions | MiB | kernels | lowered lines | load (1, 5, 15 min) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in others:
       kinds = collections.Counter(g["kind"] for g in r.gemms)
       mma = collections.Counter(r.pallas_mma or {})
       for g in r.gemms:
         mma.update(g.get("mma") or {})
       out.append(f"| {r.program} | {r.recipe} | {r.backend} | {_status(r)} | {r.triton_calls} | "
-                 f"{_counts(kinds)} | {_counts(mma) or '-'} | {_mib(r)} |")
+                 f"{_counts(kinds)} | {_counts(mma) or '-'} | {_mib(r)} | {r.kernels} | "
+                 f"{r.lowered_lines} | {_load(r)} |")
   return "\n".join(out)
 
 
 def _status(row):
   if not row.compiled:
     return f"NO: {row.error}"
-  return f"yes, {row.seconds:.0f} s" + (f" (SASS not read: {row.sass_error})" if row.sass_error else "")
+  return f"yes, {row.seconds:.0f} s ({row.cpu_seconds:.0f} s CPU)" + (f" (SASS not read: {row.sass_error})" if row.sass_error else "")
 
 
 def _counts(counter):
   return ", ".join(f"{k} {v}" for k, v in sorted(counter.items()))
+
+
+def _load(row):
+  return "" if row.load_avg is None else ", ".join(f"{v:.1f}" for v in row.load_avg)
 
 
 def _mib(row):
@@ -359,6 +394,8 @@ def parser():
   p.add_argument("--target", required=True, choices=TARGETS + ("device",))
   p.add_argument("--what", default=",".join(PROGRAMS),
                  type=lambda t: _choices(t, PROGRAMS), help=f"comma-separated: {', '.join(PROGRAMS)}")
+  p.add_argument("--arms", type=_arms,
+                 help="RECIPE:BACKEND[:ROUTE],...: these arms instead of each program's own")
   p.add_argument("--out", help="write the report (JSON) here")
   p.add_argument("--against", help="a report (JSON) to compare with, e.g. the deviceless one")
   p.add_argument("--no-sass", action="store_true", help="skip reading the compiled kernels")
@@ -372,6 +409,32 @@ def _choices(text, allowed):
     raise argparse.ArgumentTypeError(f"unknown program {bad[0] if bad else text!r}; "
                                      f"allowed: {', '.join(allowed)}")
   return names
+
+
+def _batches(program, arms, mesh, devices, sass):
+  """Callables returning Rows of `program`: one per arm (`arms`, or the program's own)."""
+  if program == "kernels":
+    return [lambda: kernel_rows(mesh, sass)]
+  rows = {"linear": lambda arm: linear_rows(mesh, sass, (arm,)),
+          "block-8b": lambda arm: block_rows(devices, sass, (arm,))}.get(
+              program, lambda arm: step_rows(program, devices, sass, (arm,)))
+  arms = arms or (LINEAR_ARMS if program == "linear" else STEP_ARMS)
+  return [lambda arm=arm: rows(arm) for arm in arms]
+
+
+def _arms(text):
+  """'bf16:xla,mxfp4:native:scaled_matmul' -> ((recipe, backend, route or None), ...)."""
+  arms = []
+  for item in filter(None, text.split(",")):
+    name, backend, route = (item.split(":") + [None])[:3]
+    if name not in recipes.recipe_names() or backend not in recipes.BACKENDS:
+      raise argparse.ArgumentTypeError(
+          f"arm {item!r}: want RECIPE:BACKEND[:ROUTE] with a recipe of "
+          f"{', '.join(recipes.recipe_names())} and a backend of {', '.join(recipes.BACKENDS)}")
+    arms.append((name, backend, route))
+  if not arms:
+    raise argparse.ArgumentTypeError(f"no arm in {text!r}")
+  return tuple(arms)
 
 
 def _versions():
@@ -424,20 +487,15 @@ def main(argv):
   sass = not args.no_sass
   report = dict(target=args.target, device=devices[0].device_kind,
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-                commit=_commit(), versions=_versions(), options=COMPILE_OPTIONS, rows=[])
+                commit=_commit(), versions=_versions(), options=COMPILE_OPTIONS,
+                cpus=os.cpu_count(), rows=[])
   rows = []
   for program in args.what:
-    if program == "linear":
-      rows += linear_rows(mesh, sass)
-    elif program == "kernels":
-      rows += kernel_rows(mesh, sass)
-    elif program in STEP_CONFIGS:
-      rows += step_rows(program, devices, sass)
-    else:
-      rows += block_rows(devices, sass)
-    report["rows"] = [dataclasses.asdict(r) for r in rows]
-    if args.out:  # after each program, so that an interrupted report keeps what it has
-      atomic.write_text(args.out, json.dumps(report, indent=1))
+    for batch in _batches(program, args.arms, mesh, devices, sass):
+      rows += batch()
+      report["rows"] = [dataclasses.asdict(r) for r in rows]
+      if args.out:  # after each arm, so that an interrupted report keeps what it has
+        atomic.write_text(args.out, json.dumps(report, indent=1))
   print(f"{report['date']}, {report['device']} ({args.target}), commit {report['commit']}, "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         + f", {COMPILE_OPTIONS}")
