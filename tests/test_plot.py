@@ -44,3 +44,20 @@ def test_a_run_without_evaluations_is_an_error(tmp_path):
   os.makedirs(run)
   with pytest.raises(ValueError, match="no metrics.jsonl rows with an eval_loss"):
     curves.plot_runs([run], str(tmp_path / "x.png"))
+
+
+def test_an_out_that_is_not_an_image_name_is_refused_before_drawing(tmp_path, capsys):
+  run = str(tmp_path / "a")
+  _fake_run(run, [5.0, 4.0], "bf16")
+  os.makedirs(os.path.join(run, "checkpoints", "4"))
+  before = {n: open(os.path.join(run, n), "rb").read() for n in ("config.json", "metrics.jsonl")}
+  for out in ("config.json", "metrics.jsonl", "checkpoints", os.path.join("checkpoints", "4"),
+              "wandb_id"):
+    assert curves.main([run, "-o", os.path.join(run, out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not the name of an image file" in err, err
+    assert ".png" in err and ".pdf" in err
+  assert sorted(os.listdir(run)) == ["checkpoints", "config.json", "metrics.jsonl"]
+  assert os.listdir(os.path.join(run, "checkpoints")) == ["4"]
+  assert {n: open(os.path.join(run, n), "rb").read() for n in before} == before
+  assert curves.main([run, "-o", os.path.join(run, "curves.PDF")]) == 0

@@ -4,6 +4,9 @@
 
 Each run is a workdir written by fp4jax.train.trainer (its metrics.jsonl rows that
 carry an eval_loss). A run's label defaults to its directory name and recipe.
+OUT's extension names the image format (png, pdf, svg, ...); any other name
+(a run's config.json, a folder, a name without one) is refused in one line
+before anything is drawn.
 """
 
 import argparse
@@ -15,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+from matplotlib.backend_bases import FigureCanvasBase  # pylint: disable=g-import-not-at-top
 
 from fp4jax import errors
 from fp4jax import records
@@ -48,8 +52,20 @@ def _label(workdir):
   return name if recipe == name else f"{name} ({recipe})"
 
 
+def check_out(out):
+  """UserError unless `out` names an image file by an extension matplotlib
+  writes (it would add .png to a name without one, and refuse others late)."""
+  formats = FigureCanvasBase.get_supported_filetypes()
+  extension = os.path.splitext(out)[1][1:].lower()
+  if os.path.isdir(out) or extension not in formats:
+    raise errors.UserError(f"-o {out!r} is not the name of an image file; give one "
+                           f"ending in {', '.join('.' + f for f in sorted(formats))}")
+
+
 def plot_runs(workdirs, out, labels=None, title=None):
-  """Draws every run's eval-loss curve into `out` (PNG); returns `out`."""
+  """Draws every run's eval-loss curve into `out` (an image, `check_out`);
+  returns `out`."""
+  check_out(out)
   labels = labels or [_label(w) for w in workdirs]
   if len(labels) != len(workdirs):
     raise errors.UserError(f"{len(labels)} labels for {len(workdirs)} runs")
@@ -75,7 +91,7 @@ def main(argv=None):
       prog="python -m fp4jax.plot", description=__doc__.splitlines()[0])
   parser.add_argument("workdirs", nargs="+", help="run directories")
   parser.add_argument("-o", "--out", default="eval_loss.png",
-                      help="output PNG")
+                      help="output image (its extension names the format: png, pdf, svg, ...)")
   parser.add_argument("--labels", nargs="+", help="one label per run")
   parser.add_argument("--title")
   args = parser.parse_args(argv)
