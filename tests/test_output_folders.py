@@ -119,6 +119,8 @@ def test_a_workdir_above_other_runs_is_refused(workdir, trained, tmp_path, capsy
 
 
 def test_overwrite_replaces_an_export_and_nothing_else(trained, tmp_path, capsys):
+  (tmp_path / "checkpoints").mkdir()  # another tool's, in the folder above: not a run
+  (tmp_path / "checkpoints" / "model.pt").write_text("x")
   out_dir = str(tmp_path / "hf")
   assert export.main(["export", trained, out_dir]) == 0
   first = _files(out_dir)
@@ -127,7 +129,7 @@ def test_overwrite_replaces_an_export_and_nothing_else(trained, tmp_path, capsys
   with open(os.path.join(out_dir, "README.md"), "w") as f:
     f.write("notes")  # a file a user added: the export is still an export
   assert export.main(["export", trained, out_dir, "--overwrite"]) == 0
-  assert _files(out_dir) == first and sorted(os.listdir(tmp_path)) == ["hf"]
+  assert _files(out_dir) == first and sorted(os.listdir(tmp_path)) == ["checkpoints", "hf"]
   mine = tmp_path / "mine"
   (mine / "data").mkdir(parents=True)
   (mine / "data" / "keep.txt").write_text("keep")

@@ -91,9 +91,16 @@ def _inside(path, folder):
 
 
 def _run_of(path):
-  """The run or checkpoint that the real path `path` is or lies inside, or None."""
+  """The run or checkpoint that the real path `path` is or lies inside, or
+  None. Above `path`, a folder counts as a run when its checkpoints/ holds a
+  checkpoint or it has metrics.jsonl (so a home folder that holds another
+  tool's checkpoints/ is not one)."""
+  if is_run_or_checkpoint(path):
+    return path
   while True:
-    if is_run_or_checkpoint(path):
+    if checkpointing.is_checkpoint(path) or (os.path.isdir(checkpoints(path)) and (
+        checkpointing.committed_steps(checkpoints(path))
+        or os.path.isfile(metrics_file(path)))):
       return path
     parent = os.path.dirname(path)
     if parent == path:
