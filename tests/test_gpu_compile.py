@@ -114,6 +114,26 @@ def test_mxfp8_and_nvfp4_on_native_become_what_was_found(mesh):
 
 
 @needs_plugin
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4-dh16", "fp8"])
+def test_mosaic_runs_every_role_on_hopper_fp8_tensor_cores(mesh, recipe):
+  """Fprop, Dgrad and Wgrad are each fp4jax's Mosaic GPU kernel reading FP8 operands
+  (E2M1 held as E4M3; fp8's E5M2 gradients as they are), and its SASS is Hopper's
+  FP8 wgmma, QGMMA, alone (Blackwell has no wgmma: the backend is Hopper's)."""
+  if mesh[0] != "h200":
+    pytest.skip("wgmma is Hopper's (sm_90a)")
+  row = linear(mesh, recipe, "mosaic")
+  assert row.compiled, row.error
+  by_role = roles(row)
+  assert sorted(by_role) == ["dgrad", "fprop", "wgrad"], row.gemms
+  for role, gemms in by_role.items():
+    (g,) = gemms
+    assert g["kind"] == "Mosaic GPU", (role, g)
+    assert set(g["operands"]) <= {"f8e4m3fn", "f8e5m2"}, (role, g)
+    assert set(g["mma"]) == {"QGMMA"}, (role, g)
+  assert all(g["kind"] == "rotation" for g in row.gemms if not g.get("role"))
+
+
+@needs_plugin
 def test_the_xla_backend_emulates_with_bf16_gemms(mesh):
   for g in linear(mesh, "mxfp4", "xla").gemms:
     assert g["kind"] == "dot bf16" and g["operands"] == ["bf16", "bf16"], g
@@ -147,6 +167,21 @@ def test_the_tiny_train_step_compiles(mesh):
   kinds = collections.Counter(g["kind"] for g in row.gemms)
   # 4 blocks x 7 linears x 3 GEMMs; attention and the head stay unquantized.
   assert kinds["block-scaled (scaled-dot)"] == 84, kinds
+
+
+@needs_plugin
+def test_the_tiny_train_step_on_mosaic_is_qgmma(mesh):
+  """Every quantized GEMM of the mxfp4-dh16 train step is the Mosaic GPU kernel on QGMMA."""
+  target, m = mesh
+  if target != "h200":
+    pytest.skip("wgmma is Hopper's (sm_90a)")
+  (row,) = gpu_compile.step_rows("step-tiny", list(m.devices.flat), sass=True,
+                                 arms=(("mxfp4-dh16", "mosaic", None),))
+  assert row.compiled, row.error
+  mosaic = [g for g in row.gemms if g["kind"] == "Mosaic GPU"]
+  assert len(mosaic) == 84  # 4 blocks x 7 linears x 3 GEMMs
+  assert all(set(g["mma"]) == {"QGMMA"} for g in mosaic), mosaic
+  assert not any(g["kind"].startswith(("dot f8", "block-scaled")) for g in row.gemms)
 
 
 _TCGEN05_PTX = """.version 8.8
@@ -222,6 +257,23 @@ ENTRY %main (a: f4e2m1fn[8,64], b: f4e2m1fn[16,64], c: f8e8m0fnu[8,2], e: f8e8m0
   assert got == [("scaled-dot", ["f4e2m1fn", "f4e2m1fn"], [8, 16], 64, "fusion.1",
                   "__triton_nested_gemm_fusion"),
                  ("dot", ["f32", "f32"], [8, 16], 64, "wrapped", "kLoop")]
+
+
+def test_a_mosaic_gpu_gemm_names_its_cubin_kernel():
+  """A Mosaic GPU custom call is a GEMM when its module names an fp4jax kernel; its
+  kernel is the cubin's (NAME_mosaic_gpu_kernel), found by the SASS reader."""
+  hlo = r"""
+ENTRY %main (a: f8e4m3fn[256,512], b: f8e5m2[384,512]) -> f32[256,384] {
+  %a = f8e4m3fn[256,512]{1,0} parameter(0)
+  %b = f8e5m2[384,512]{1,0} parameter(1)
+  ROOT %mpmd_map.0 = f32[256,384]{1,0} custom-call(%a, %b), custom_call_target="mosaic_gpu_v2", backend_config={module = "ML\EFR\00fp4jax_hopper_gemm_256x384x512\00\00fp4jax_hopper_gemm_256x384x512_mosaic_gpu\00"}
+}
+"""
+  (g,) = hlo_stats.gemms(hlo)
+  assert (g["operands"], g["shape"], g["kernel"], hlo_stats.gemm_kind(g)) == (
+      ["f8e4m3fn", "f8e5m2"], [256, 384], "fp4jax_hopper_gemm_256x384x512_mosaic_gpu_kernel",
+      "Mosaic GPU")
+  assert hlo_stats.gemms(hlo.replace("fp4jax_", "other_")) == []  # not fp4jax's: not counted
 
 
 def test_snappy_decodes_literals_and_overlapping_copies():

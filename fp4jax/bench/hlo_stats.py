@@ -79,6 +79,9 @@ _CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
 _BACKEND_KIND = re.compile(r'fusion_backend_config":\{.*?"kind":"(\w+)"')
 _HLO_KIND = re.compile(r"kind=(k\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# A Mosaic GPU custom call carries its MLIR module, whose kernel is NAME_mosaic_gpu;
+# the cubin's kernel is NAME_mosaic_gpu_kernel (fp4jax's kernels are named fp4jax_*).
+_MOSAIC_KERNEL = re.compile(r"(fp4jax_\w+?_mosaic_gpu)(?!\w)")
 
 
 def gemms(hlo_text):
@@ -109,11 +112,13 @@ def gemms(hlo_text):
     if "custom-call(" in line:
       target = _TARGET.search(line)
       target = target.group(1) if target else ""
-      if target in _CUDNN_BLOCK_SCALED or target.startswith(_PLAIN_GEMM_CALLS):
+      mosaic = _MOSAIC_KERNEL.search(line) if target.startswith("mosaic_gpu") else None
+      if mosaic or target in _CUDNN_BLOCK_SCALED or target.startswith(_PLAIN_GEMM_CALLS):
         args = re.search(r"custom-call\(%?([\w.\-]+), %?([\w.\-]+)", line)
         rows.append(dict(op="custom-call", target=target, operands=[
             shapes.get(a, ("?",))[0] for a in (args.groups() if args else ())],
-            shape=shapes[m.group(1)][1], k=None, kernel=m.group(1), kernel_kind=target,
+            shape=shapes[m.group(1)][1], k=None,
+            kernel=mosaic.group(1) + "_kernel" if mosaic else m.group(1), kernel_kind=target,
             computation=current))
       continue
     dot = _DOT.search(line)
@@ -137,6 +142,8 @@ def gemms(hlo_text):
 def gemm_kind(gemm, rotation_max=32):
   """One GEMM of `gemms` as a gemm_kinds kind."""
   if gemm["op"] == "custom-call":
+    if gemm["target"].startswith("mosaic_gpu"):
+      return "Mosaic GPU"
     if gemm["target"] in _CUDNN_BLOCK_SCALED:
       return "block-scaled (cuDNN)"
     known = [t for t in gemm["operands"] if t != "?"]
@@ -152,6 +159,7 @@ def gemm_kinds(hlo_text, rotation_max=32):
   """Counter of the GEMMs an optimized HLO module runs, fused ones included, by kind:
 
   "block-scaled (cuDNN)": a cuDNN block-scaled dot custom call;
+  "Mosaic GPU": a Pallas Mosaic GPU GEMM kernel of fp4jax (fp4jax.kernels.hopper_gemm);
   "block-scaled (scaled-dot)": an HLO scaled-dot (what Triton's dot_scaled runs);
   "cuBLAS DTYPE": a cuBLAS / cuBLASLt GEMM custom call (FP8 ones among them) reading
   DTYPE operands (its lhs's; "cuBLAS" where they are not in the text);
