@@ -1,11 +1,11 @@
 """A linear layer's Fprop operands as fp4jax.dot prepares them, outside a forward.
 
-What an export stores and calibrates must be what the trained forward's Fprop
-GEMM multiplied: its weight operand (the kernel in the compute dtype, rotated
-along the contraction axis when the role rotates, quantized with the role's
-rhs QuantSpec in 1D blocks or NVIDIA's square tiles, as the xla backend
-does) and its input as rotated. The model and trainer reach those numerics
-through here (the layout rule of tests/test_layout.py).
+What an export stores must be what a forward's Fprop GEMM multiplied: its
+weight operand (the kernel in the compute dtype, rotated along the
+contraction axis when the role rotates, quantized with the role's rhs
+QuantSpec in 1D blocks or NVIDIA's square tiles, as the xla backend does),
+and what it calibrates, its input as rotated. The model and trainer reach
+those numerics through here (the layout rule of tests/test_layout.py).
 """
 
 import functools

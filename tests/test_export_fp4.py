@@ -16,7 +16,10 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ import fp4jax
 from fp4jax import backends
 from fp4jax import checkpointing
 from fp4jax import dot
+from fp4jax import recipes
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
 from fp4jax.llama import hf_packed
@@ -552,3 +556,156 @@ def test_bad_input_is_one_line_with_exit_code_2(runs, tmp_path, capsys):
   with pytest.raises(hf_llama.ConvertError, match=r"a kernel of shape \[48, 64\] "
                      "contracts 48 inputs, not a multiple of 32"):
     fp4_weights.fp4_weight(np.zeros((48, 64), np.float32), 1, "bfloat16", p)
+
+
+def test_w4a4_input_scales_fit_the_inputs_the_served_model_quantizes(
+    runs, tmp_path):
+  """An H16-rotated run exported as NVFP4 W4A4: its weights go out quantized
+  after training, unrotated, with no transform declared, so an engine
+  quantizes unrotated inputs; the static input scales are fp4jax's
+  per-tensor scales of those inputs in the W4A4 forward of the export."""
+  torch, transformers, _ = _interop()
+  from fp4jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  run, out = runs["mxfp4-dh16"], str(tmp_path / "w4a4")
+  # The ModelOpt layout's input_scale is the same calibration
+  # (test_modelopt_layout_converts_to_compressed_tensors_byte_for_byte).
+  export.export(run, out, quantize="nvfp4", fused_scale="per-projection",
+                activations="fp4", calibration_batches=2)
+  assert _quantization_config(out)["transform_config"] == {}
+  tensors = _tensors(out)
+  modules = [f"model.layers.1.{layer.hf_name[:-7]}" for layer in linears.BLOCK]
+  exported = {  # module -> the amax its input scale stands for
+      m: np.float32(2688) / np.float32(tensors[m + ".input_global_scale"].item())
+      for m in modules}
+  # fp4jax's W4A4 forward of the export on the calibration batches: the
+  # weights as exported (NVFP4 round to nearest, unrotated) times NVFP4 inputs.
+  cfg, recipe, params = _run(run)
+  nvfp4 = fp4jax.QuantSpec("nvfp4")
+  w4a4 = dataclasses.replace(recipe, fprop=recipes.Gemm(nvfp4, nvfp4))
+  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), w4a4)
+  forward = jax.jit(lambda tokens: llama.apply(
+      {"params": params}, tokens, mutable=["intermediates", "perturbations"]))
+  windows = [w[:, :-1] for w in pipeline.validation_windows(
+      pipeline.data_config(), tokenizers.make_tokenizer("bytes"), seq_len=32,
+      batch_size=8, num_batches=2)]
+  want, amax = [], {}
+  for tokens in windows:
+    logits, sown = forward(tokens)
+    want.append(np.asarray(logits, np.float32))
+    for layer, module in zip(linears.BLOCK, modules):
+      node = sown["intermediates"]["block_1"]
+      for key in layer.path.split("/"):
+        node = node[key]
+      x = np.abs(np.asarray(node["DotGeneral_0"]["lhs"][0], np.float32))
+      amax[module] = max(amax.get(module, 0), x.max())
+  for module in modules:  # one compiled program each: within a bf16 step
+    np.testing.assert_allclose(exported[module], amax[module], rtol=2**-7,
+                               err_msg=module)
+  # Served: transformers through compressed-tensors, W4A4 in the run's
+  # compute dtype (inputs quantized with the static scales).
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      out, dtype=torch.bfloat16)
+  served = {}
+  for name, module in model.named_modules():
+    if name in exported:
+      module.register_forward_pre_hook(
+          lambda m, args, name=name: served.__setitem__(name, max(
+              served.get(name, 0), args[0].float().abs().max().item())))
+
+  def logits():
+    with torch.no_grad():
+      return [model(torch.tensor(t, dtype=torch.long)).logits.float().numpy()
+              for t in windows]
+
+  got = logits()
+  # What the engine quantizes fits its scale, up to the two frameworks' bf16
+  # numerics (torch's silu and compressed-tensors' bf16 input quantization).
+  for module in modules:
+    assert 0.9 < served[module] / exported[module] < 1.1, (
+        module, served[module], exported[module])
+  err = max(np.abs(g - w).max() for g, w in zip(got, want))
+  # The calibration on H16-rotated inputs of the trained forward (before):
+  # down_proj's largest inputs clip, and the logits move away from fp4jax's.
+  rotated = export_fp4.input_amax(export.run_config(run)[0], cfg, recipe,
+                                  params, 2, False)
+  for name, module in model.named_modules():
+    if name in exported:
+      module.input_global_scale.data[:] = float(
+          np.float32(1) / (np.float32(rotated[name]) * np.float32(1 / 2688)))
+  down = "model.layers.1.mlp.down_proj"
+  assert served[down] > 2 * rotated[down]
+  rotated_err = max(np.abs(g - w).max() for g, w in zip(logits(), want))
+  assert rotated_err > 1.5 * err
+
+
+def test_calibration_flags_are_refused_where_they_do_not_apply(runs, tmp_path,
+                                                               capsys):
+  """The command line: --calibration_batches within the validation set and
+  only where NVFP4 input scales are calibrated, --activations only with
+  --quantize, no rotation the ModelOpt layout cannot declare."""
+  from fp4jax.data import pipeline  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  rotated = str(tmp_path / "nvfp4-h16")  # an NVFP4 run whose Fprop rotates
+  shutil.copytree(runs["nvfp4"], rotated)
+  path = os.path.join(rotated, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["resolved"]["recipe"]["fprop"]["hadamard"].update(block=16,
+                                                           signs="none")
+  with open(path, "w") as f:
+    json.dump(config, f)
+  w4a4 = ["--quantize", "nvfp4", "--activations", "fp4"]
+  nvfp4 = runs["nvfp4"]
+  cli = (  # as a user types them: the command in its own process
+      ([*w4a4, "--calibration_batches", "1000000"],
+       r"--calibration_batches 1000000: the validation set's [\d,]+ tokens "
+       r"\(at most data.val_tokens\) hold ([\d,]+) batches of 8 disjoint "
+       r"windows of seq_len \+ 1 = 33 tokens; give at most \1$"),
+      ([*w4a4, "--calibration_batches", "0"],
+       "--calibration_batches must be >= 1, got 0$"),
+      (["--quantize", "nvfp4", "--calibration_batches", "2"],
+       "--calibration_batches 2 calibrates NVFP4 input scales, so it needs "
+       "--quantize nvfp4 with --activations fp4 \\(or --layout modelopt\\); "
+       "this export is W4A16 \\(--activations none\\)$"),
+      (["--activations", "fp4"], "--activations 'fp4' needs --quantize "
+       "\\(nvfp4 or mxfp4\\); a dense export quantizes nothing$"))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "fp4jax.convert", "export", nvfp4,
+       str(tmp_path / f"out{i}"), *args], cwd=root, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i, (args, _) in enumerate(cli)]
+  matches = []
+  try:
+    for i, (proc, (args, message)) in enumerate(zip(procs, cli)):
+      out, err = proc.communicate(timeout=240)
+      assert proc.returncode == 2 and not out, (args, out, err)
+      assert err.count("\n") == 1 and "Traceback" not in err, (args, err)
+      matches.append(re.search(message, err.strip()))
+      assert matches[-1], (args, err)
+      assert not os.path.exists(tmp_path / f"out{i}"), args
+  finally:
+    for proc in procs:
+      proc.kill()  # a command that did not stop (no-op for those that did)
+      proc.wait()
+  for run, args, message in (  # the same checks, in this process
+      (runs["mxfp4-dh16"], ["--quantize", "mxfp4", "--activations", "fp4",
+                            "--calibration_batches", "2"],
+       "this export is MXFP4, whose inputs the engine scales itself\n"),
+      (nvfp4, ["--calibration_batches", "2"], "this export is dense\n"),
+      (rotated, ["--quantize", "nvfp4", "--layout", "modelopt"],
+       "rotates Fprop (Hadamard block 16), which the modelopt layout cannot "
+       "declare")):
+    assert export.main(["export", run, str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+  # The bound: the validation set's batches of disjoint windows.
+  held = int(matches[0].group(1).replace(",", ""))
+  data = dict(data_cfg=pipeline.data_config(), seq_len=32, batch_size=8,
+              tokenizer=tokenizers.make_tokenizer("bytes"), disjoint=True)
+  assert not pipeline.validation_windows(num_batches=held, **data).overlap
+  with pytest.raises(pipeline.TooManyBatches):
+    pipeline.validation_windows(num_batches=held + 1, **data)

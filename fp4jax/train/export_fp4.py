@@ -24,9 +24,12 @@ compressed-tensors layout) or "fp4" (W4A4, the modelopt layout's only one):
 MXFP4 inputs are quantized dynamically by the engine; NVFP4 inputs need a
 per-tensor scale, calibrated here as fp4jax computes one (max |x| / (6 *
 448)) over the largest input each layer sees in the run's first
---calibration_batches validation batches, run through the trained forward;
-written as input_global_scale (its reciprocal, compressed-tensors) or
-input_scale (modelopt).
+--calibration_batches validation batches (at most the batches of disjoint
+windows the validation set holds), run through the W4A4 forward an engine
+computes from the export (PackedExport.served: the exported weights times
+NVFP4 inputs, rotated only as the export declares); written as
+input_global_scale (its reciprocal, compressed-tensors) or input_scale
+(modelopt).
 
 Codes and scales come from fp4jax.llama.fp4_weights: exactly those of the
 trained forward when its Fprop weight operand is the exported format, else
@@ -138,15 +141,25 @@ class PackedExport:
     return self.activations == "fp4" and self.fmt == "nvfp4"
 
   def calibrate(self, config, params, n_batches, given=True):
-    """Sets the input amax of every packed layer from the run's first
+    """Sets the input amax of every packed layer over the run's first
     `n_batches` validation batches (config: the run's config.json; params:
-    its parameters), each input rotated only as the export declares (the
-    plan's rotation: the engine rotates what `transform_config` names).
+    its parameters) through the forward the export serves (`served`).
     given: n_batches came from the user, so it may not exceed the batches of
     disjoint windows the validation set holds (the default, the run's own
     eval_batches, is what its trainer evaluated on)."""
-    self.input_amax = input_amax(config, self.cfg, self.recipe, params,
-                                 n_batches, self.plan.rotation, given)
+    self.input_amax = input_amax(config, self.cfg, self.served, params,
+                                 n_batches, given)
+
+  @property
+  def served(self):
+    """The Recipe whose forward an engine serving this NVFP4 export (W4A4)
+    computes: Fprop multiplies the weights as exported (the plan's spec and
+    rotation, the only rotation the export declares) by the inputs rotated
+    the same way and quantized to NVFP4 (the per-tensor scale the engine
+    reads statically computed from each tensor); dgrad and wgrad, which no
+    forward uses, are the run's."""
+    return dataclasses.replace(self.recipe, fprop=recipes.Gemm(
+        fp4_weights.POST_TRAINING["nvfp4"], self.plan.spec, self.plan.rotation))
 
   def nbytes(self, shape):
     """Bytes of a packed layer whose fp4jax kernel (one layer) has `shape`."""
@@ -268,12 +281,11 @@ def _per_tensor_scale(amax):
   return g if g > 0 else np.float32(1)
 
 
-def input_amax(config, cfg, recipe, params, n_batches, rotation, bounded):
+def input_amax(config, cfg, recipe, params, n_batches, bounded):
   """{hf module name: float32 max |input|} of the block linears over the
-  run's first `n_batches` validation batches, through the trained forward:
-  each input flattened as its GEMM contracts it and rotated by `rotation`
-  (recipes.Hadamard: the one the export declares, or None). bounded: refuse
-  more batches than the validation set holds without overlap."""
+  run's first `n_batches` validation batches, through `recipe`'s forward
+  (the input as its Fprop quantizes it: flattened and rotated). bounded:
+  refuse more batches than the validation set holds without overlap."""
   data_cfg = pipeline.data_config()
   data_cfg.update(config.get("data", {}))
   from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
@@ -289,6 +301,7 @@ def input_amax(config, cfg, recipe, params, n_batches, rotation, bounded):
     raise ConvertError(f"calibration: the run's validation data: {e}") from e
   cfg, params = _unscanned(cfg, params)
   llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
+  rotation = recipe.fprop.hadamard
 
   @jax.jit
   def batch_amax(tokens):
