@@ -12,9 +12,10 @@ K-major as [rows, K] FP8 arrays:
 - per-tensor FP8 (the fp8 recipes): the FP8 values as they are, no block
   scales; both tensor scales multiply the float32 output.
 NVFP4's global scales and stochastic_dither's 4/3 multiply the float32 output, as
-in every backend. The layout change to [rows, K] (a transpose of one-byte
-elements for an operand blocked along its leading axis) is left to XLA, which
-fuses it into the quantization that writes the elements.
+in every backend. The layout change to [rows, K] for an operand blocked along
+its leading axis is left to XLA, which writes the FP8 elements once, in that
+layout, from the fusion that rounds them (docs/performance.md, "The `mosaic`
+backend").
 
 Exactness (the kernel's docstring): for E2M1 operands (MXFP4, NVFP4) the result is
 the sum of exact block partials in increasing K order, one float32 rounding per

@@ -5,12 +5,14 @@ K-major, as Hopper's FP8 wgmma reads them. MXFP4 and NVFP4 run here with their
 E2M1 codes held as float8_e4m3fn values (every E2M1 value is one exactly).
 Optional block scales a_scales [K / 32, M] and b_scales [K / 32, N] (float32:
 one per 32 elements along K, e.g. an E8M0 scale as 2^e) multiply each block's
-partial product: per 32-wide K step, one wgmma (K = 32 for FP8) writes the
+partial product: per 32-wide block of K, one wgmma (K = 32 for FP8) writes the
 block's products into a fresh float32 accumulator, and the compute warpgroup
 adds `partial * a_scale[m] * b_scale[n]` to the float32 output it carries
-(DeepGEMM's promotion of FP8 partial sums, here per block). Without scales the
-partials are added as they are (per-tensor FP8: the caller applies the
-scales to C).
+(DeepGEMM's promotion of FP8 partial sums, here per block). A pipeline step
+holds STEP_BLOCKS blocks: their wgmmas are issued together and each partial is
+scaled and added, in K order, as soon as its wgmma is done, while the later
+ones run. Without scales the partials are added as they are (per-tensor FP8:
+the caller applies the scales to C).
 
 Exactness: the products of one block of E2M1 values are multiples of 0.25 up
 to 36 in magnitude and their sum of 32 is at most 1152: exact in the tensor
@@ -25,7 +27,8 @@ scales through TMA into `stages` shared-memory slots
 (plgpu.emit_pipeline_warp_specialized) and two compute warpgroups, one per
 [tile_m, tile_n] half, issue the wgmma of each block and scale its partial.
 M and N are zero-padded to whole tiles and C cut back; K must be a multiple of
-32 (the quantizers pad it).
+32 (the quantizers pad it) and is zero-padded to whole steps (a zero block adds
+zero).
 
 interpret: False compiles for the GPU; True (or an InterpretGPUParams) runs
 jax's Mosaic GPU interpreter (CPU; slow, for tests); None follows the
@@ -45,6 +48,7 @@ from fp4jax.numerics import operand
 
 BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block scale
 TILE = (64, 128)  # [tile_m, tile_n] of one compute warpgroup
+STEP_BLOCKS = 2  # blocks per pipeline step: one block's scaling overlaps the next's wgmma
 STAGES = 4  # shared-memory slots of the TMA pipeline
 MIN_JAX = (0, 12)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -71,7 +75,7 @@ def _plgpu():
 
 
 def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
-  """One CTA: C[2 tile_m, tile_n] at grid point (m, n)."""
+  """One CTA: C[2 tile_m, tile_n] at grid point (m, n), STEP_BLOCKS blocks per step."""
   plgpu = _plgpu()
   if scaled:
     sa_gmem, sb_gmem, c_gmem, out_smem = rest
@@ -91,29 +95,37 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
     plgpu.copy_smem_to_gmem(out_smem.at[wg], c_gmem.at[m_slice, n_slice].at[wg_rows])
     plgpu.wait_smem_to_gmem(0)
 
-  def step(_, a_smem, b_smem, *scales_and_acc):
-    *scales, acc = scales_and_acc
+  def step(_, *refs):
+    """Issues the wgmma of every block of the step, then scales and adds each partial
+    in K order as soon as it is done, while the later blocks' wgmmas run."""
+    a_blocks, b_blocks = refs[:STEP_BLOCKS], refs[STEP_BLOCKS:2 * STEP_BLOCKS]
+    *scales, acc = refs[2 * STEP_BLOCKS:]
 
-    def block_product(part_ref):
-      plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
-      return part_ref[...]
+    def products(*part_refs):
+      for part_ref, a_smem, b_smem in zip(part_refs, a_blocks, b_blocks):
+        plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
+      out = acc
+      for j, part_ref in enumerate(part_refs):
+        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=STEP_BLOCKS - 1 - j)
+        if scaled:
+          sa_smem, sb_smem = scales
+          sa = plgpu.load(sa_smem.at[j, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+          sb = plgpu.load(sb_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
+          part = (part * lax.broadcast_in_dim(sa, part.shape, [0])
+                  * lax.broadcast_in_dim(sb, part.shape, [1]))
+        out = out + part
+      return out
 
-    part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), jnp.float32))
-    if scaled:
-      sa_smem, sb_smem = scales
-      sa = plgpu.load(sa_smem.at[0, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-      sb = plgpu.load(sb_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0))
-      part = (part * lax.broadcast_in_dim(sa, part.shape, [0])
-              * lax.broadcast_in_dim(sb, part.shape, [1]))
-    return acc + part
+    return pl.run_scoped(products, *[plgpu.ACC((tile_m, tile_n), jnp.float32)] * STEP_BLOCKS)
 
-  in_specs = [
-      plgpu.BlockSpec((2 * tile_m, BLOCK), lambda k: (0, k), transforms=operand_transforms),
-      plgpu.BlockSpec((tile_n, BLOCK), lambda k: (0, k), transforms=operand_transforms)]
-  operands = [a_gmem.at[m_slice], b_gmem.at[n_slice]]
+  block = lambda rows, j: plgpu.BlockSpec(
+      (rows, BLOCK), lambda k, j=j: (0, STEP_BLOCKS * k + j), transforms=operand_transforms)
+  in_specs = ([block(2 * tile_m, j) for j in range(STEP_BLOCKS)]
+              + [block(tile_n, j) for j in range(STEP_BLOCKS)])
+  operands = [a_gmem.at[m_slice]] * STEP_BLOCKS + [b_gmem.at[n_slice]] * STEP_BLOCKS
   if scaled:
-    in_specs += [plgpu.BlockSpec((1, 2 * tile_m), lambda k: (k, 0)),
-                 plgpu.BlockSpec((1, tile_n), lambda k: (k, 0))]
+    in_specs += [plgpu.BlockSpec((STEP_BLOCKS, 2 * tile_m), lambda k: (k, 0)),
+                 plgpu.BlockSpec((STEP_BLOCKS, tile_n), lambda k: (k, 0))]
     operands += [sa_gmem.at[:, m_slice], sb_gmem.at[:, n_slice]]
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
@@ -142,13 +154,17 @@ def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, sta
                      f"{None if b_scales is None else b_scales.shape} for M, N, K = {m, n, k}")
   tm, tn = tile or TILE
   pm, pn = target.whole_tiles(m, 2 * tm), target.whole_tiles(n, tn)
-  operands = [operand.pad_axis(a, 0, 2 * tm), operand.pad_axis(b, 0, tn)]
+  step_k = STEP_BLOCKS * BLOCK  # K zero-padded to whole steps: zero blocks add zero
+  pad = lambda x, rows: operand.pad_axis(operand.pad_axis(x, 0, rows), 1, step_k)
+  operands = [pad(a, 2 * tm), pad(b, tn)]
   if scaled:
-    operands += [operand.pad_axis(a_scales.astype(jnp.float32), 1, 2 * tm),
-                 operand.pad_axis(b_scales.astype(jnp.float32), 1, tn)]
+    pad_scales = lambda s, cols: operand.pad_axis(jnp.pad(
+        s.astype(jnp.float32), ((0, -s.shape[0] % STEP_BLOCKS), (0, 0)), constant_values=1),
+        1, cols)
+    operands += [pad_scales(a_scales, 2 * tm), pad_scales(b_scales, tn)]
   out_smem = plgpu.SMEM((2, tm, tn), jnp.float32)
   call = lambda interpret_as: plgpu.kernel(
-      functools.partial(_kernel, k_steps=k // BLOCK, tile_m=tm, tile_n=tn, scaled=scaled,
+      functools.partial(_kernel, k_steps=-(-k // step_k), tile_m=tm, tile_n=tn, scaled=scaled,
                         stages=stages),
       out_type=jax.ShapeDtypeStruct((pm, pn), jnp.float32),
       scratch_types=[out_smem],
@@ -164,10 +180,9 @@ def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, sta
 
 
 def _interpret_params():
-  """jax's Mosaic GPU interpreter's default parameters (jax has no public name for
-  them yet; plgpu.kernel runs the interpreter when given them)."""
-  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
-  return params.InterpretGPUParams()
+  """jax's Mosaic GPU interpreter's default parameters (plgpu.kernel runs the
+  interpreter when given them)."""
+  return _plgpu().InterpretGPUParams()
 
 
 def _reference_padded(*operands, scaled):
