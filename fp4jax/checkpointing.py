@@ -30,6 +30,7 @@ import shutil
 import sys
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 
@@ -134,6 +135,18 @@ def leaf_name(path):
   """"params/block_0/attn/q/kernel" of a pytree key path."""
   return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
                   for k in path)
+
+
+def non_finite(params):
+  """"" when every array leaf of `params` is finite, else the one-line "holds
+  NaN or Inf in N tensor(s): block_0/mlp/down/kernel, ..." naming them."""
+  finite = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
+  bad = [leaf_name(p) for p, ok in jax.tree_util.tree_leaves_with_path(finite)
+         if not ok]
+  if not bad:
+    return ""
+  return (f"holds NaN or Inf in {len(bad)} tensor(s): {', '.join(bad[:4])}"
+          f"{', ...' if len(bad) > 4 else ''}")
 
 
 def _mismatch(saved, wanted):

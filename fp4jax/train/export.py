@@ -311,6 +311,10 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   step, params = checkpointing.restore_params_newest(
       run_layout.checkpoints(run_dir), run_step(run_dir, step),
       abstract_params(cfg), fall_back=step is None)
+  bad = checkpointing.non_finite(params)
+  if bad:
+    raise ConvertError(f"the checkpoint at step {step} of {run_dir!r} {bad}; "
+                       "export a step whose weights are finite (--step)")
   packed = None if quantize is None else export_fp4.PackedExport(
       config, cfg, step, quantize, layout or "compressed-tensors", fused_scale,
       activations)

@@ -19,10 +19,8 @@ full host copy per process.
 
 import os
 
-import jax
-import jax.numpy as jnp
-
 from fp4jax import checkpointing
+from fp4jax import records
 from fp4jax.train import export
 from fp4jax.train import run_layout
 from fp4jax.llama import hf as hf_llama
@@ -59,18 +57,17 @@ class _RunCheckpoint:
 
 
 def load(source, abstract_params, path):
-  """source.load(abstract_params), refusing parameters that are not finite:
-  ConfigError naming the tensors that hold NaN or Inf (a run from them
-  would skip every step)."""
-  params = source.load(abstract_params)
-  finite = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
-  bad = [checkpointing.leaf_name(p) for p, ok in
-         jax.tree_util.tree_leaves_with_path(finite) if not ok]
+  """source.load(abstract_params), refusing parameters that are not finite
+  (ConfigError naming the tensors that hold NaN or Inf: a run from them
+  would skip every step) and a packed scale that is not (hf_packed)."""
+  try:
+    params = source.load(abstract_params)
+  except hf_llama.ConvertError as e:
+    raise ConfigError(f"bad config: config.init_from: {e}") from None
+  bad = checkpointing.non_finite(params)
   if bad:
-    raise ConfigError(
-        f"bad config: config.init_from: {path!r} holds NaN or Inf in {len(bad)} "
-        f"tensor(s): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; give a "
-        "checkpoint with finite weights")
+    raise ConfigError(f"bad config: config.init_from: {path!r} {bad}; give a "
+                      "checkpoint with finite weights")
   return params
 
 
@@ -88,5 +85,5 @@ def open_source(path, cfg):
       raise hf_llama.ConvertError(f"{path!r} is not a directory")
     return _RunCheckpoint(path, cfg) if run_layout.is_run_or_checkpoint(
         path) else hf_packed.checkpoint(path, cfg)
-  except hf_llama.ConvertError as e:
+  except (hf_llama.ConvertError, records.RecordError) as e:
     raise ConfigError(f"bad config: config.init_from: {e}") from e
