@@ -300,6 +300,67 @@ class HfConfig:
   hidden_act: str | None = None
   attention_bias: bool | None = None
   mlp_bias: bool | None = None
+  quantization_config: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationConfig:
+  """config.json's quantization_config (compressed-tensors)"""
+  quant_method: str | None = None
+  format: str | None = None
+  config_groups: dict[str, dict] | None = None
+  transform_config: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationGroup:
+  """a group of quantization_config's config_groups"""
+  weights: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationArgs:
+  """the weights of a quantization_config group"""
+  num_bits: int
+  type: str
+  group_size: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformConfig:
+  """quantization_config's transform_config"""
+  config_groups: dict[str, dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformScheme:
+  """a group of transform_config's config_groups"""
+  type: str
+  head_dim: int
+  randomize: bool | None = None
+  apply: list[dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformApply:
+  """an item of a transform scheme's apply list"""
+  targets: list[str] | None = None
+  location: str | None = None
+  inverse: bool | None = None
+  ignore: list[str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptConfig:
+  """a ModelOpt hf_quant_config.json"""
+  quantization: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptQuantization:
+  """the "quantization" block of a ModelOpt hf_quant_config.json"""
+  quant_algo: str
+  group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

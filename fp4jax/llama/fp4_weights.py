@@ -104,6 +104,22 @@ class Fp4Weight:
     return w if self.global_scale is None else w * self.global_scale
 
 
+def bad_scales(scales):
+  """"" when every block scale of Fp4Weight.scales (E4M3, or the uint8 bits
+  of E8M0) is finite and >= 0 (0: an all-zero block), else one line:
+  how many are negative or NaN, and the first's value and [row, col]."""
+  if scales.dtype == np.uint8:
+    bad = scales == 255  # E8M0's NaN
+  else:
+    bad = ~(scales.astype(np.float32) >= 0)
+  if not bad.any():
+    return ""
+  first = tuple(int(i) for i in np.argwhere(bad)[0])
+  value = "NaN" if scales.dtype == np.uint8 else scales.astype(np.float32)[first]
+  return (f"{int(bad.sum())} of its {bad.size} block scales are negative or "
+          f"NaN (the first {value} at {list(first)})")
+
+
 def fp4_weight(kernel, n_in, compute_dtype, p: Plan) -> Fp4Weight:
   """The Fp4Weight of one layer's float32 kernel (fp4jax layout, its n_in
   leading axes contracted, e.g. q [D, H, d] with n_in 1, o [H, d, D] with n_in

@@ -16,8 +16,14 @@ Each packed module's `weight_packed` (or ModelOpt's uint8 `weight`) and
 scales stand for its dense `.weight`, so the checks and the sharded loading
 of HfCheckpoint apply unchanged; a packed weight is dequantized whole when a
 device first reads from it (one layer at a time). Input scales are not
-needed for the float32 weights and are skipped. Bad input raises
-ConvertError (one line).
+needed for the float32 weights and are skipped.
+
+Bad input raises ConvertError (one line): a declaration that is not of
+that shape (fp4jax.records) or whose weights are not 4-bit floats in the
+groups its format packs, packed tensors with no declaration (a deleted
+quantization_config or hf_quant_config.json), a per-tensor scale that is
+not positive and finite (checked when opened) and a block scale that is
+negative or NaN (when dequantized).
 """
 
 import json
@@ -29,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 import fp4jax
+from fp4jax import records
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf
 from fp4jax.llama.hf import ConvertError
@@ -53,46 +60,89 @@ def checkpoint(directory, cfg):
 
 def _layout(directory):
   """(layout, group size, rotation block or None, rotation's ignore list),
-  or None for a dense checkpoint."""
-  if os.path.isfile(os.path.join(directory, MODELOPT_CONFIG)):
-    path = os.path.join(directory, MODELOPT_CONFIG)
-    algo = hf.read_json(path, "ModelOpt config").get("quantization", {}).get(
-        "quant_algo")
-    if algo != "NVFP4":
-      raise ConvertError(f"{path}: quant_algo {algo!r} is not read; allowed: "
-                         "'NVFP4'")
+  or None for a dense checkpoint. The declaration must hold 4-bit floats in
+  the groups its format packs; packed tensors without one are refused."""
+  path = os.path.join(directory, MODELOPT_CONFIG)
+  if os.path.isfile(path):
+    quant = records.check(records.ModelOptQuantization, records.read(
+        records.ModelOptConfig, path)["quantization"], f"{path}: quantization")
+    if quant["quant_algo"] != "NVFP4":
+      raise ConvertError(f"{path}: quant_algo {quant['quant_algo']!r} is not "
+                         "read; allowed: 'NVFP4'")
+    if quant.get("group_size") != 16:
+      raise ConvertError(f"{path}: quantization.group_size is "
+                         f"{quant.get('group_size', 'missing')}; NVFP4 packs "
+                         "groups of 16")
     return "modelopt", 16, None, ()
   path = os.path.join(directory, hf.CONFIG_FILE)
   if not os.path.isfile(path):
     return None
-  quant = hf.read_json(path, "config").get("quantization_config")
+  quant = records.read(records.HfConfig, path).get("quantization_config")
   if not quant:
+    _undeclared(directory, path)
     return None
   where = f"{path}: quantization_config"
+  quant = records.check(records.QuantizationConfig, quant, where)
   if quant.get("quant_method") != "compressed-tensors" or (
       quant.get("format") not in CT_GROUPS):
     raise ConvertError(f"{where}: {quant.get('quant_method')!r} format "
                        f"{quant.get('format')!r} is not read; allowed: "
                        f"compressed-tensors {list(CT_GROUPS)}")
-  block, ignore = _rotation(quant.get("transform_config") or {}, where)
-  return "compressed-tensors", CT_GROUPS[quant["format"]], block, ignore
+  group = CT_GROUPS[quant["format"]]
+  if not quant.get("config_groups"):
+    raise ConvertError(f"{where}: field 'config_groups' is missing (it "
+                       "declares the weights' bits and group size)")
+  for name, scheme in quant["config_groups"].items():
+    at = f"{where}.config_groups.{name}"
+    weights = records.check(records.QuantizationArgs, records.check(
+        records.QuantizationGroup, scheme, at)["weights"], f"{at}.weights")
+    declared = (weights["num_bits"], weights["type"], weights["group_size"])
+    if declared != (4, "float", group):
+      raise ConvertError(
+          f"{at}.weights: num_bits {declared[0]}, type {declared[1]!r}, "
+          f"group_size {declared[2]} do not fit format {quant['format']!r}, "
+          f"whose tensors hold 4-bit floats (E2M1) in groups of {group}")
+  block, ignore = _rotation(quant.get("transform_config") or {},
+                            f"{where}.transform_config")
+  return "compressed-tensors", group, block, ignore
+
+
+def _undeclared(directory, config_path):
+  """ConvertError when the weights of a checkpoint that declares no packed
+  layout hold packed tensors (its config.json's quantization_config or its
+  hf_quant_config.json was lost)."""
+  names = hf.weight_files(directory)
+  for suffix, missing in (
+      (".weight_packed", f"{config_path} has no quantization_config"),
+      (".weight_scale_2", f"{directory!r} has no {MODELOPT_CONFIG}")):
+    packed = sorted(n for n in names if n.endswith(suffix))
+    if packed:
+      raise ConvertError(
+          f"{missing}, yet its weights hold {len(packed)} packed FP4 modules "
+          f"(e.g. {packed[0]!r}); the declaration of their layout is needed "
+          "to read them: restore it from the export")
 
 
 def _rotation(transform, where):
   """(Hadamard block, modules it skips) of a transform_config, or (None, ())."""
-  groups = list(transform.get("config_groups", {}).values())
+  groups = records.check(records.TransformConfig, transform, where).get(
+      "config_groups") or {}
   if not groups:
     return None, ()
-  scheme = groups[0]
-  apply = scheme.get("apply", [])
-  if (len(groups) != 1 or scheme.get("type") != "hadamard"
+  name, scheme = next(iter(groups.items()))
+  scheme = records.check(records.TransformScheme, scheme,
+                         f"{where}.config_groups.{name}")
+  apply = [records.check(records.TransformApply, a, f"{where}.config_groups."
+                         f"{name}.apply[{i}]")
+           for i, a in enumerate(scheme.get("apply") or [])]
+  if (len(groups) != 1 or scheme["type"] != "hadamard"
       or scheme.get("randomize") or len(apply) != 1
       or apply[0].get("location") != "input" or apply[0].get("inverse")
       or apply[0].get("targets") != ["Linear"]):
-    raise ConvertError(f"{where}: transform_config is read only as one "
-                       "deterministic 'hadamard' at the input of every "
-                       f"Linear; got {json.dumps(transform)[:200]}")
-  return int(scheme["head_dim"]), tuple(apply[0].get("ignore", ()))
+    raise ConvertError(f"{where} is read only as one deterministic 'hadamard' "
+                       "at the input of every Linear; got "
+                       f"{json.dumps(transform)[:200]}")
+  return scheme["head_dim"], tuple(apply[0].get("ignore") or ())
 
 
 class PackedCheckpoint(hf.HfCheckpoint):
@@ -106,6 +156,10 @@ class PackedCheckpoint(hf.HfCheckpoint):
     self.layout, self.group, self.rotation, self.rotation_ignore = _layout(
         directory)
     super().__init__(directory, cfg)
+    if self.group == 16:  # NVFP4: a per-tensor scale per module (4 bytes)
+      reader = _Reader(self, None)
+      for module in self.packed_modules:
+        reader.global_scale(module)
 
   @property
   def files(self):
@@ -119,6 +173,7 @@ class PackedCheckpoint(hf.HfCheckpoint):
               if name.endswith("." + parts[0]) and (
                   self.layout != "modelopt"
                   or f"{name.rsplit('.', 1)[0]}.{parts[2]}" in raw)}
+    self.packed_modules = sorted(packed)
     self.packed_files = {name: path for name, path in raw.items()
                          if name.rsplit(".", 1)[0] in packed}
     self._files = {name: path for name, path in raw.items()
@@ -156,18 +211,36 @@ class _Reader:
     out, half = _header(self.ckpt.packed_files[name], name)["shape"]
     return [out, 2 * half]
 
+  def global_scale(self, module):
+    """float32 per-tensor scale of an NVFP4 module, as stored; ConvertError
+    unless it is positive and finite."""
+    name = f"{module}.{_PARTS[self.ckpt.layout][2]}"
+    g = self._read(name, np.float32,
+                   (1,) if self.ckpt.layout == "compressed-tensors" else ())
+    g = g.reshape(())
+    if not (np.isfinite(g) and g > 0):
+      raise ConvertError(f"{self.ckpt.packed_files[name]!r}: tensor {name!r} "
+                         f"is {g}; a per-tensor scale must be positive and "
+                         "finite")
+    return g
+
   def _dequantize(self, module):
     ckpt = self.ckpt
-    packed_name, scale_name, global_name, _ = (
+    packed_name, scale_name, _, _ = (
         f"{module}.{p}" for p in _PARTS[ckpt.layout])
     packed = self._read(packed_name, np.uint8)
     groups = (packed.shape[0], packed.shape[1] * 2 // ckpt.group)
     mx = ckpt.group == 32  # E8M0 bits; NVFP4: E4M3 and a per-tensor scale
     scales = self._read(scale_name, np.uint8 if mx else ml_dtypes.float8_e4m3fn,
                         groups)
+    bad = fp4_weights.bad_scales(scales)
+    if bad:
+      raise ConvertError(f"{ckpt.packed_files[scale_name]!r}: tensor "
+                         f"{scale_name!r}: {bad}; block scales must be finite "
+                         "and >= 0")
     w = fp4_weights.Fp4Weight(packed, scales, None).dequantize()
     if not mx:
-      g = self._read(global_name, np.float32).reshape(())
+      g = self.global_scale(module)
       # compressed-tensors divides by its global scale, ModelOpt multiplies.
       w = w / g if ckpt.layout == "compressed-tensors" else w * g
     if ckpt.rotation and module not in ckpt.rotation_ignore:
@@ -185,7 +258,7 @@ class _Reader:
     if x.dtype != dtype or (shape is not None and x.shape != shape):
       raise ConvertError(f"{path!r}: tensor {name!r} is {x.dtype}"
                          f"{list(x.shape)}; expected {np.dtype(dtype)}"
-                         f"{list(shape) if shape else ''}")
+                         f"{list(shape) if shape is not None else ''}")
     return x
 
 
