@@ -153,6 +153,30 @@ def test_fake_quantize_matches_reference(layout, mode, hadamard_block, signs, dt
   _assert_bits_equal(got, _reference_fake(x, spec, axis, hadamard_block, signs))
 
 
+@pytest.mark.parametrize("layout,fmt,rounding,hadamard_block", [
+    ("row", "mxfp4", "nearest", 16), ("col", "mxfp4", "stochastic", None),
+    ("col", "mxfp8_e5m2", "nearest", None)])
+def test_quantize_fp8_writes_the_reference_with_the_blocked_axis_last(
+    layout, fmt, rounding, hadamard_block):
+  """The mosaic backend's operands: formats.quantize's elements (as FP8) and scales
+  (as 2^e), the blocked axis moved last and padded to whole blocks."""
+  spec = formats.QuantSpec(fmt, scale_mode="even", rounding=rounding)
+  x, axis = _layout(_data(jnp.bfloat16, seed=2), layout)
+  key = jax.random.key(3) if spec.is_random else None
+  values, scales = kq.quantize_fp8(x, spec, axis, hadamard_block=hadamard_block, key=key,
+                                   tile=TILE[layout])
+  rotated = hadamard.rotate(x, hadamard_block, axis) if hadamard_block else x
+  q = formats.quantize(jnp.pad(rotated, [(0, 16) if d == axis % 2 else (0, 0)
+                                         for d in range(2)]), spec, axis, key)
+  want = q.values.astype(kq.fp8_dtype(spec)), q.scales.astype(jnp.float32)
+  if axis == 0:
+    want = tuple(w.T for w in want)
+  _assert_bits_equal(scales, want[1])
+  # A NaN block is NaN in its scale; its elements (E2M1 has no NaN) may differ.
+  finite = np.repeat(np.isfinite(np.asarray(scales)), spec.block, axis=-1)
+  _assert_bits_equal(jnp.where(finite, values, 0), jnp.where(finite, want[0], 0))
+
+
 def test_nan_block_gives_nan_scale_in_every_shape():
   """A NaN anywhere in a block makes its scale 0xFF and the block NaN.
 

@@ -1,7 +1,11 @@
 """The Hopper backend: each GEMM on FP8 tensor cores, one wgmma per 32-element block.
 
-Operands are rotated as in the xla backend and quantized to a QArray
-(fp4jax.numerics.formats.quantize) along the GEMM's contraction axis; the GEMM is
+Operands are rotated as in the xla backend and quantized along the GEMM's
+contraction axis: MX blocks of 32 by fp4jax.kernels.quantize.quantize_fp8 (one
+Pallas pass that rotates, quantizes and writes the FP8 elements and float32
+scales with the contraction axis last, transposing a column tile in the
+kernel), everything else to a QArray (fp4jax.numerics.formats.quantize),
+with the same values; the GEMM is
 fp4jax.kernels.hopper_gemm (Pallas Mosaic GPU), which reads both operands
 K-major as [rows, K] FP8 arrays:
 - MX (block 32) and NVFP4 elements as float8_e4m3fn values (E2M1, E2M3, E3M2 and
@@ -12,10 +16,8 @@ K-major as [rows, K] FP8 arrays:
 - per-tensor FP8 (the fp8 recipes): the FP8 values as they are, no block
   scales; both tensor scales multiply the float32 output.
 NVFP4's global scales and stochastic_dither's 4/3 multiply the float32 output, as
-in every backend. The layout change to [rows, K] for an operand blocked along
-its leading axis is left to XLA, which writes the FP8 elements once, in that
-layout, from the fusion that rounds them (docs/performance.md, "The `mosaic`
-backend").
+in every backend. For the QArray path the layout change to [rows, K] of an
+operand blocked along its leading axis is left to XLA.
 
 Exactness (the kernel's docstring): for E2M1 operands (MXFP4, NVFP4) the result is
 the sum of exact block partials in increasing K order, one float32 rounding per
@@ -55,10 +57,13 @@ QUANTIZES_WHOLE_TENSOR_FIRST = True
 class Operand(NamedTuple):
   """values: FP8 elements (blocked operands: their axis padded to whole 32-blocks);
   scales: float32 block scales, values' shape with that axis / 32, or None
-  (per-tensor); factor: float32 scalar for the GEMM's output, or None."""
+  (per-tensor); factor: float32 scalar for the GEMM's output, or None; k_last:
+  the blocked axis was moved last (the other axes in order), as
+  fp4jax.kernels.quantize.quantize_fp8 writes it."""
   values: jax.Array
   scales: jax.Array | None
   factor: jax.Array | None
+  k_last: bool = False
 
 
 def unsupported_device(device=None):
@@ -91,7 +96,18 @@ def unsupported(gemm):
 
 
 def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
-  """See fp4jax.backends; returns an Operand blocked along `axis`."""
+  """See fp4jax.backends; returns an Operand blocked along `axis`: for MX blocks of
+  32 that the Pallas kernels take, rotated and quantized in one pass that writes
+  the elements [..., K] (fp4jax.kernels.quantize.quantize_fp8, bit for bit the
+  jnp path's values); otherwise through the jnp path."""
+  from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
+  h = None if rotation is None else rotation.block
+  if (spec.family == "mx" and spec.block == hopper_gemm.BLOCK and spec.is_plain_blocks
+      and kernel_quantize.unsupported(spec, h) is None):
+    x = operand.pad_axis(x, axis, h or 1)
+    values, scales = kernel_quantize.quantize_fp8(x, spec, axis, hadamard_block=h,
+                                                  signs=signs, key=key)
+    return Operand(values, scales, None, k_last=True)
   x = operand.rotate_padded(x, rotation, signs, axis)
   if spec.block is not None:
     x = operand.pad_axis(x, axis, spec.block)
@@ -141,8 +157,13 @@ def _batch_rows_k(op, contract, batch):
   """An Operand's values as [B, rows, K] and its scales as [B, K / 32, rows] (or
   None): batch dims first, then the free dims in order; also their shape."""
   (axis,) = contract
-  free = [d for d in range(op.values.ndim) if d != axis and d not in batch]
-  perm = list(batch) + free + [axis]
+  ndim = op.values.ndim
+  free = [d for d in range(ndim) if d != axis and d not in batch]
+  if op.k_last:  # where each dim of the operand sits in values
+    at = {d: i for i, d in enumerate(d for d in range(ndim) if d != axis)} | {axis: ndim - 1}
+  else:
+    at = {d: d for d in range(ndim)}
+  perm = [at[d] for d in list(batch) + free + [axis]]
   values = jnp.transpose(op.values, perm)
   shape = values.shape[:-1]
   n_batch, rows = math.prod(shape[:len(batch)]), math.prod(shape[len(batch):])
@@ -151,5 +172,5 @@ def _batch_rows_k(op, contract, batch):
                             hopper_gemm.BLOCK)
   if op.scales is None:
     return values, None, shape
-  scales = jnp.transpose(op.scales, list(batch) + [axis] + free)
-  return values, scales.reshape(n_batch, scales.shape[len(batch)], rows), shape
+  scales = jnp.transpose(op.scales, perm).reshape(n_batch, rows, -1)
+  return values, jnp.swapaxes(scales, 1, 2), shape

@@ -1,9 +1,11 @@
 """Fused MX quantization as Pallas kernels.
 
-One kernel body, two outputs:
+One kernel body, three outputs:
   quantize_packed  x -> (uint8 codes, two E2M1 per byte, low nibble first;
                          E8M0 scales)                       (MXFP4 only)
   fake_quantize    x -> dequantized x, same shape and dtype (any MX format)
+  quantize_fp8     x -> (FP8 elements, float32 scales), the blocked axis last
+                         (any MX format; the `mosaic` backend's operands)
 
 Each program reads one tile of x, optionally rotates it with the block
 Hadamard of fp4jax.numerics.hadamard, takes the block amax, the shared exponent
@@ -73,8 +75,10 @@ def _rotate_tile(x, m, h, blk_axis):
   return y.astype(x.dtype)
 
 
-def _kernel(*refs, spec, blk_axis, hadamard_block, has_bits, packed):
-  """One tile: [rotate] -> amax -> exponent -> round -> (codes, scales) or x~."""
+def _kernel(*refs, spec, blk_axis, hadamard_block, has_bits, out):
+  """One tile: [rotate] -> amax -> exponent -> round -> `out`: "fake" (x~), "packed"
+  (codes, biased scales) or "fp8" (FP8 elements, float32 scales, the blocked axis
+  last: a column tile is written transposed)."""
   refs = list(refs)
   x_ref = refs.pop(0)
   rotation = refs.pop(0)[...] if hadamard_block else None
@@ -99,9 +103,17 @@ def _kernel(*refs, spec, blk_axis, hadamard_block, has_bits, packed):
   # Triton's float min/max drop NaN (minnumf/maxnumf), so the rounding's saturating
   # clip would turn a NaN into +-max: keep it NaN, as XLA's min/max do.
   q = jnp.where(jnp.isnan(scaled), scaled, q)
-  if not packed:
+  if out == "fake":
     (y_ref,) = refs
     y_ref[...] = (q * scales_lib.exp2(e)).reshape(shape).astype(y_ref.dtype)
+    return
+  if out == "fp8":
+    values_ref, scales_ref = refs
+    values, scale = q.reshape(shape), jnp.squeeze(scales_lib.exp2(e), red)
+    if blk_axis == 0:  # [tile_n, cols] -> [cols, tile_n]: the blocked axis last
+      values, scale = values.T, scale.T
+    values_ref[...] = values.astype(values_ref.dtype)
+    scales_ref[...] = scale
     return
   codes_ref, scales_ref = refs
   codes = elements.e2m1_codes(q).reshape(shape)
@@ -151,8 +163,9 @@ def _check(x, spec, axis, hadamard_block, random_bits):
   return axis
 
 
-def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, packed):
-  """Runs the kernel on x viewed as [P, N, Q]; returns outputs in that view."""
+def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, out):
+  """Runs the kernel on x viewed as [P, N, Q]; returns outputs in that view (for
+  out="fp8", [P, Q, N] and [P, Q, N / block])."""
   shape = x.shape
   p, n, q = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
   block = spec.block
@@ -167,6 +180,7 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
     pad = lambda a: operand.pad_axis(operand.pad_axis(a, 0, tp), 1, tn)
     spec_of = lambda t: pl.BlockSpec((tp, t), lambda i, j: (i, j))
     out_view = lambda m: (pp, m)
+    k_last_spec, k_last_view = spec_of, out_view
   else:
     tn, tq = tile or (max(min_tn, min(COL_TILE[0], _pow2_at_least(n))),
                       min(COL_TILE[1], _pow2_at_least(q)))
@@ -175,6 +189,8 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
     pad = lambda a: operand.pad_axis(operand.pad_axis(a, 1, tn), 2, tq)
     spec_of = lambda t: pl.BlockSpec((None, t, tq), lambda i, j, k: (i, j, k))
     out_view = lambda m: (p, m, pq)
+    k_last_spec = lambda t: pl.BlockSpec((None, tq, t), lambda i, j, k: (i, k, j))
+    k_last_view = lambda m: (p, pq, m)
   if tn % min_tn or tn & (tn - 1):
     raise ValueError(f"tile along the blocked axis must be a power of two "
                      f"multiple of {min_tn}, got {tn}")
@@ -187,25 +203,32 @@ def _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile, pa
   if random_bits is not None:
     operands.append(pad(random_bits.reshape(view)))
     in_specs.append(spec_of(tn))
-  if packed:
+  if out == "packed":
     out_shape = (jax.ShapeDtypeStruct(out_view(pn // 2), jnp.uint8),
                  jax.ShapeDtypeStruct(out_view(pn // block), jnp.uint8))
     out_specs = (spec_of(tn // 2), spec_of(tn // block))
     out_views = (view[:1] + (n // 2,) + view[2:], view[:1] + (n_blocks,) + view[2:])
+  elif out == "fp8":
+    out_shape = (jax.ShapeDtypeStruct(k_last_view(pn), fp8_dtype(spec)),
+                 jax.ShapeDtypeStruct(k_last_view(pn // block), jnp.float32))
+    out_specs = (k_last_spec(tn), k_last_spec(tn // block))
+    rest = view[:1] if row else view[:1] + view[2:]
+    out_views = (rest + (n_blocks * block,), rest + (n_blocks,))
   else:
     out_shape, out_specs, out_views = jax.ShapeDtypeStruct(padded, x.dtype), spec_of(tn), view
   kernel = functools.partial(
       _kernel, spec=spec, blk_axis=1 if row else 0,
-      hadamard_block=hadamard_block, has_bits=random_bits is not None, packed=packed)
-  out = target.pallas_call(
+      hadamard_block=hadamard_block, has_bits=random_bits is not None, out=out)
+  result = target.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
       out_specs=out_specs, interpret=interpret,
       compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
-      name="fp4jax_quantize" if packed else "fp4jax_fake_quantize",
+      name={"packed": "fp4jax_quantize", "fake": "fp4jax_fake_quantize",
+            "fp8": "fp4jax_quantize_fp8"}[out],
   )(*operands)
-  if packed:
-    return tuple(target.cut_to(o, v) for o, v in zip(out, out_views))
-  return target.cut_to(out, out_views)
+  if out == "fake":
+    return target.cut_to(result, out_views)
+  return tuple(target.cut_to(o, v) for o, v in zip(result, out_views))
 
 
 _STATIC = ("spec", "axis", "hadamard_block", "interpret", "tile")
@@ -230,17 +253,45 @@ def quantize_packed(x, spec, axis=-1, *, hadamard_block=None, signs=None,
     raise ValueError(f"packing needs an even length along axis {axis}, got "
                      f"{x.shape[axis]}")
   codes, biased = _call(x, spec, axis, hadamard_block, signs, random_bits,
-                        interpret, tile, packed=True)
+                        interpret, tile, out="packed")
   shape = lambda m: x.shape[:axis] + (m,) + x.shape[axis + 1:]
   codes = codes.reshape(shape(x.shape[axis] // 2))
   biased = biased.reshape(shape(biased.shape[1]))
   return codes, lax.bitcast_convert_type(biased, jnp.float8_e8m0fnu)
 
 
+def fp8_dtype(spec):
+  """The FP8 dtype quantize_fp8 writes a spec's elements in: float8_e5m2 for E5M2
+  elements, float8_e4m3fn (which holds every E2M1, E2M3, E3M2 and E4M3 value) else."""
+  return jnp.float8_e5m2 if spec.element_dtype == jnp.float8_e5m2 else jnp.float8_e4m3fn
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantize_fp8(x, spec, axis=-1, *, hadamard_block=None, signs=None, random_bits=None,
+                 key=None, interpret=None, tile=None):
+  """formats.quantize(hadamard.rotate(x, ...), spec, axis, key) in one pass, written
+  with the blocked axis last (the layout Hopper's FP8 GEMM reads, fp4jax.kernels.
+  hopper_gemm): a column-wise tile is transposed in the kernel, never the array.
+
+  x: [..., n, ...]. Returns (values [..., ceil(n / block) * block] in fp8_dtype(spec),
+  the elements with their zero padding; scales float32 [..., ceil(n / block)], 2^e),
+  `...` being x's other axes in order. Randomness as fake_quantize.
+  """
+  if key is not None and spec.is_random:
+    if random_bits is not None:
+      raise ValueError("give random_bits or key, not both")
+    random_bits = reference_bits(key, x.shape, axis, spec.block)
+  axis = _check(x, spec, axis, hadamard_block, random_bits)
+  values, scales = _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile,
+                         out="fp8")
+  rest = x.shape[:axis] + x.shape[axis + 1:]
+  return values.reshape(rest + (-1,)), scales.reshape(rest + (-1,))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 6, 7))
 def _fake_quantize(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile):
   return _call(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile,
-               packed=False).reshape(x.shape)
+               out="fake").reshape(x.shape)
 
 
 def _fq_fwd(x, spec, axis, hadamard_block, signs, random_bits, interpret, tile):
