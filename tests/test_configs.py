@@ -17,7 +17,8 @@ def test_the_configs_folder_is_found():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_a_config_file_loads_with_steps_and_a_recipe(path):
-  config = cli.load_config_file(path + (":1e-2" if path.endswith("stress_tiny.py") else ""))
+  args = {"stress_tiny.py": ":1e-2", "stage_widths.py": ":64,lr=0.003"}
+  config = cli.load_config_file(path + args.get(os.path.basename(path), ""))
   assert config.steps >= 1
   assert config.quant.name
 
