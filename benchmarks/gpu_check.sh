@@ -1,48 +1,53 @@
 #!/usr/bin/env bash
-# The one-call GPU check of fp4jax: < 9 minutes on one H200.
+# The one-call GPU check of fp4jax: at most GPU_CHECK_BUDGET_S (500 s) of stages on one GPU.
 #
-# Stages, in order, each under `timeout` (its own box, capped by what is left
-# of GPU_CHECK_BUDGET_S, default 500 s); a stage that fails or runs out of
+# The plan (python -m fp4jax.bench gpu_plan: printed first, each stage's time
+# box and their sum against the budget) runs the stages in the order a short
+# call must answer them; each stage runs under `timeout` in its own box
+# (capped by what is left of the budget), and one that fails or runs out of
 # time does not stop the others:
-#   compile     python -m fp4jax.bench gpu_compile --target device --what linear,kernels:
-#               the linear layer of every recipe and backend and every Pallas kernel,
-#               compiled on this GPU as the deviceless report compiled them for the
-#               same card (results/gpu_compile/h200-jax<this jax>.json where it
-#               exists, else h200.json), and the differences
-#               between the two (GEMM kinds, operand types, SASS instructions): does
-#               compiling without the device predict it? Runs first
 #   env         nvidia-smi, python, jax/jaxlib, devices, compute capability,
 #               which of pyproject.toml's dependencies are missing
-#   native      backend=native, (16384,4096,14336): mxfp8 / mxfp4 / nvfp4, each on
-#               its own route and forced through scaled_matmul and scaled_dot;
-#               per variant the GEMM kinds of its optimized HLO (cuDNN
-#               block-scaled custom call, scaled-dot for Triton, or plain dot)
-#               and TFLOP/s. Runs second, so a short call still shows it. On an
-#               H200 (compute capability 9.0: no FP4 units) it says so and
-#               measures the emulation
-#   tests       tests/test_kernels.py, test_backends.py and test_dot.py's
-#               backend tests, the kernels compiled by Triton (Pallas
-#               interprets only off GPUs: fp4jax.kernels.target),
-#               each against the `xla` path on the same GPU bit for bit
 #   crosscheck  the quantizers and four recipes' fwd+bwd on the GPU (xla and
 #               pallas) against XLA:CPU in the same machine, per input class
-#               (subnormal, NaN, Inf, ties, ...)
-#   quantize    fused quantize (row, col, +-H16) vs copy, 8192x8192 bf16
-#   linear      fwd+bwd of one layer, (16384,4096,14336) and (16384,4096,4096),
-#               bf16 / fp8 / mxfp4 / mxfp4-dh16 x xla / pallas; the forward
-#               GEMM alone; optimized HLO of each variant and its kernel count
-#   train_*     configs/ablation_gpu.py (125M shape), TRAIN_STEPS steps each:
-#               bf16, mxfp4-dh16 on xla, mxfp4-dh16 on pallas; one process
-#               each (peak memory is per process): tokens/s, MFU, peak GiB
-#   ablation_short  optional, not in the default stages (it needs the whole
-#               call): configs/ablation_gpu_short.py, fp8 / mxfp4 / mxfp4-dh16
+#               (subnormal, NaN, Inf, ties, ...): pallas = xla on the device
+#   linear      fwd+bwd of one layer, (16384,4096,14336) and (16384,4096,4096):
+#               the bf16 recipe, fp8 / mxfp4 / mxfp4-dh16 on every backend the
+#               check runs (all of fp4jax.backends but native, where the
+#               installed jax runs them); the forward GEMM alone; optimized HLO
+#               of each variant and its kernel count
+#   train_R_B   configs/ablation_gpu.py (125M shape, blocks scanned),
+#               TRAIN_STEPS steps of recipe R on backend B, one process each
+#               (peak memory is per process): bf16, then mxfp4-dh16 and fp8 on
+#               every backend (fp8 on pallas is xla's program: not repeated);
+#               tokens/s, MFU, peak GiB, the first step's time (its compile)
+#   tests       tests/test_kernels.py, tests/test_hopper_gemm.py, then the
+#               backends' agreement tests of test_dot.py and test_backends.py,
+#               the kernels compiled for the GPU (Pallas interprets only off
+#               GPUs: fp4jax.kernels.target)
+#   quantize    fused quantize (row, col, +-H16) vs copy, 23296x23296 bf16 (1 GiB)
+#   native      (compute capability >= 10 only) backend=native,
+#               (16384,4096,14336): mxfp8 / mxfp4 / nvfp4, each on its own route
+#               and forced through scaled_matmul and scaled_dot; the GEMM kinds
+#               of its optimized HLO and TFLOP/s
+#   compile     (compute capability >= 10 only) python -m fp4jax.bench
+#               gpu_compile --target device --what linear,kernels: the linear
+#               layers and kernels compiled on this GPU, against the deviceless
+#               report made with this jax (results/gpu_compile/<card>-jax<this
+#               jax>.json where it exists): does compiling without the device
+#               predict it?
+#   ablation_short  optional, only when named (it needs the whole call):
+#               configs/ablation_gpu_short.py, fp8 / mxfp4 / mxfp4-dh16
 #               at the 125M shape for 300 steps; checkpoints in /tmp, each
 #               finished run's records in $OUT/ablation_gpu_short. Run it as
 #               GPU_CHECK_STAGES="env ablation_short" GPU_CHECK_BUDGET_S=540
-# Results: $OUT/summary.md (stages, goals, tables), $OUT/summary.json,
-# $OUT/gpu_check.log (everything printed), $OUT/results.tar.gz (each stage's
-# JSON/markdown/log, pytest.xml, hlo/*.txt). GPU_CHECK_STAGES="env linear"
-# runs only those stages (a rerun after a fix).
+# Over the budget the plan leaves out train arms from the last (bf16 stays),
+# then stages from the last, and says so.
+# Results: $OUT/summary.md (stages, goals in the order above, each measured or
+# why not, tables), $OUT/summary.json, $OUT/gpu_check.log (everything printed),
+# $OUT/results.tar.gz (each stage's JSON/markdown/log, plan.tsv, pytest.xml,
+# hlo/*.txt). GPU_CHECK_STAGES="env linear" runs only those stages (a rerun
+# after a fix).
 #
 # Wheels: the device image (python 3.12, jax 0.11 with CUDA 13, flax, optax,
 # orbax, chex, absl-py, matplotlib, pytest, pytest-xdist, hypothesis,
@@ -57,10 +62,21 @@
 #
 # On the GPU machine, from the repository root with .whl/ beside it, under a
 # 570 s limit (500 s of stages + start-up): bash benchmarks/gpu_check.sh
-# CPU dry run (tiny sizes, CPU backend, every stage; a few minutes on 2 cores):
-#   DRY_RUN=1 PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh   (run from the repository root)
+# The plan alone (seconds, nothing runs; GPU_CHECK_CC=10.0 for a Blackwell GPU's):
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --plan
+# CPU dry run (tiny sizes, CPU backend, the plan's stages with boxes and budget
+# x 3 for interpreted Pallas; minutes on 2 cores), from the repository root:
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --dry-run   (or DRY_RUN=1)
 set -uo pipefail
 DRY_RUN=${DRY_RUN:-0}
+PLAN_ONLY=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY_RUN=1 ;;
+    --plan) PLAN_ONLY=1 ;;
+    *) echo "gpu_check: unknown argument $arg (allowed: --dry-run, --plan)" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 [[ $PY == */* && $PY != /* ]] && PY=$(pwd)/$PY  # the stages run in other folders
 if ! "$PY" -c "import jax" 2>/dev/null; then
@@ -70,13 +86,25 @@ fi
 OUT=${OUT:-/tmp/fp4jax_gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/fp4jax_gpu_check_work}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-500}
-STAGES=${GPU_CHECK_STAGES:-"compile env native tests crosscheck quantize linear train"}
+STAGES=${GPU_CHECK_STAGES:-"env crosscheck linear train tests quantize native compile"}
 TRAIN_STEPS=${TRAIN_STEPS:-20}
 # Blocks scanned: on an H200 (2026-12-04) compiling mxfp4-dh16's 12 unscanned blocks
 # outlasted the stage's 100 s box. TRAIN_FLAGS= (empty) trains them unscanned.
 TRAIN_FLAGS=${TRAIN_FLAGS---scan_layers}
 REPO=$(pwd)
 export PYTHONUNBUFFERED=1
+# The GPU's compute capability decides the plan (the dry run: GPU_CHECK_CC, an H200's 9.0).
+if [[ $DRY_RUN == 1 || $PLAN_ONLY == 1 ]]; then
+  CC=${GPU_CHECK_CC:-9.0}
+else
+  CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)
+  [[ $CC =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "gpu_check: nvidia-smi gave no compute capability ($CC): planning for 9.0"; CC=9.0; }
+fi
+if [[ $PLAN_ONLY == 1 ]]; then
+  JAX_PLATFORMS=cpu PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$PY" -m fp4jax.bench gpu_plan \
+    --cc "$CC" --budget "$BUDGET_S" --stages "$STAGES" > /dev/null
+  exit $?
+fi
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 T0=$SECONDS
@@ -84,18 +112,22 @@ T0=$SECONDS
 if [[ $DRY_RUN == 1 ]]; then
   export JAX_PLATFORMS=cpu
   TINY=--tiny
+  SCALE=3  # boxes and budget: interpreted Pallas on a shared CPU
   TESTS=("tests/test_kernels.py::test_e2m1_codes_and_values_match_the_casts"
          "tests/test_kernels.py::test_interpret_none_runs_as_interpret_true_here"
          "tests/test_dot.py::test_backend_names")
 else
   export JAX_PLATFORMS=cuda
   TINY=
-  # The kernels' and backends' tests whole, of test_dot the backends' agreement
-  # (the whole file did not fit the box on an H200 after Triton compiled the kernels').
-  TESTS=(tests/test_kernels.py tests/test_backends.py
+  SCALE=1
+  # test_kernels first (the kernels' fixes), the Hopper GEMM's (they skip on jax < 0.12),
+  # then the backends' agreement with xla (test_kernels, test_backends and test_dot's
+  # did not fit 150 s on an H200).
+  TESTS=(tests/test_kernels.py tests/test_hopper_gemm.py
          "tests/test_dot.py::test_pallas_backend_matches_xla"
          "tests/test_dot.py::test_per_tensor_operands_on_pallas_are_xlas"
-         "tests/test_dot.py::test_backend_names")
+         "tests/test_dot.py::test_backend_names"
+         tests/test_backends.py)
 fi
 
 # --- wheels: the missing dependencies, from .whl/ only ---
@@ -140,11 +172,18 @@ export PYTHONPATH=$SRC${PYTHONPATH:+:$PYTHONPATH}
 
 pack() { tar -czf "$OUT/results.tar.gz" -C "$WORK" . ; }
 
+# The plan: "stage<TAB>box" lines in the order to run; its sum against the budget printed.
+$PY -m fp4jax.bench gpu_plan --cc "$CC" --budget "$BUDGET_S" --stages "$STAGES" \
+  > "$WORK/plan.tsv" 2> "$WORK/plan.txt"
+cat "$WORK/plan.txt"
+(( $(wc -l < "$WORK/plan.tsv") )) || { echo "gpu_check: empty plan"; exit 2; }
+BUDGET_S=$(( BUDGET_S * SCALE ))
+
 # stage NAME BOX CMD...: CMD under timeout (BOX seconds, capped by the budget left).
 stage() {
   local name=$1 box=$2 left t rc
   shift 2
-  [[ $DRY_RUN == 1 ]] && box=$(( box * 3 ))  # interpreted Pallas on a shared CPU
+  box=$(( box * SCALE ))
   left=$(( BUDGET_S - (SECONDS - T0) ))
   (( box > left )) && box=$left
   if (( box < 15 )); then
@@ -161,24 +200,23 @@ stage() {
   pack
 }
 
-for s in $STAGES; do
+# fd 3: the stages' commands may read standard input.
+while IFS=$'\t' read -r -u 3 s box; do
   case $s in
     env)
-      stage env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,compute_cap --format=csv 2>&1 || true; nvidia-smi 2>&1 | head -20 || true; $PY -m fp4jax.bench gpu_check env --work $WORK $TINY" ;;
+      stage env "$box" bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,compute_cap --format=csv 2>&1 || true; nvidia-smi 2>&1 | head -20 || true; $PY -m fp4jax.bench gpu_check env --work $WORK $TINY" ;;
     tests)
       # -v: each test's outcome is printed as it ends, so a stage cut by its box still
       # names the tests that failed (the summary and pytest.xml come only at the end).
-      stage tests 150 $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
+      stage tests "$box" $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
         --junitxml="$WORK/pytest.xml" "${TESTS[@]}" ;;
     quantize|linear|native)
-      stage "$s" $([[ $s == quantize ]] && echo 75 || echo 150) \
-        $PY -m fp4jax.bench gpu_check "$s" --work "$WORK" $TINY ;;
-    train)
-      for run in bf16:xla mxfp4-dh16:xla mxfp4-dh16:pallas; do
-        stage "train_${run%%:*}_${run##*:}" 100 $PY -m fp4jax.bench train_speed --config configs/ablation_gpu.py \
-          --recipe "${run%%:*}" --backend "${run##*:}" --steps "$TRAIN_STEPS" $TINY $TRAIN_FLAGS \
-          --out "$WORK/train_${run%%:*}_${run##*:}.json"
-      done ;;
+      stage "$s" "$box" $PY -m fp4jax.bench gpu_check "$s" --work "$WORK" $TINY ;;
+    train_*)
+      run=${s#train_}  # RECIPE_BACKEND (recipe names have no "_")
+      stage "$s" "$box" $PY -m fp4jax.bench train_speed --config configs/ablation_gpu.py \
+        --recipe "${run%_*}" --backend "${run##*_}" --steps "$TRAIN_STEPS" $TINY $TRAIN_FLAGS \
+        --out "$WORK/$s.json" ;;
     ablation_short)
       if [[ $DRY_RUN == 1 ]]; then
         short=(--config.model.name=tiny --config.steps=4 --config.warmup_steps=1 --config.batch_size=4
@@ -187,24 +225,24 @@ for s in $STAGES; do
                --config.diagnostics.ref_batch_size=4)
       else short=(); fi
       rm -rf /tmp/fp4jax_ablation_short
-      stage ablation_short 480 $PY -m fp4jax.experiments.ablation --config=configs/ablation_gpu_short.py \
+      stage ablation_short "$box" $PY -m fp4jax.experiments.ablation --config=configs/ablation_gpu_short.py \
         --workdir=/tmp/fp4jax_ablation_short --results="$OUT/ablation_gpu_short" ${short[@]+"${short[@]}"} ;;
     compile)
       # The dry run has no GPU: it compiles for the H200 description (needs the CUDA plugin).
       # Against the deviceless report made with this jax where there is one
-      # (results/gpu_compile/h200-jax<version>.json), so that only the device differs.
-      if [[ $DRY_RUN == 1 ]]; then target=h200; else target=device; fi
+      # (results/gpu_compile/<card>-jax<version>.json), so that only the device differs.
+      if [[ $DRY_RUN == 1 ]]; then target=h200; card=h200; else
+        target=device; card=$([[ ${CC%%.*} -ge 10 ]] && echo b200 || echo h200); fi
       jaxv=$($PY -c "import jax; print(jax.__version__)")
-      against="$SRC/results/gpu_compile/h200-jax$jaxv.json"
-      [[ -e $against ]] || against="$SRC/results/gpu_compile/h200.json"
-      stage compile 150 $PY -m fp4jax.bench gpu_compile --target "$target" --what linear,kernels \
+      against="$SRC/results/gpu_compile/$card-jax$jaxv.json"
+      [[ -e $against ]] || against="$SRC/results/gpu_compile/$card.json"
+      stage compile "$box" $PY -m fp4jax.bench gpu_compile --target "$target" --what linear,kernels \
         --against "$against" --out "$WORK/compile.json" ;;
     crosscheck)
       if [[ $DRY_RUN == 1 ]]; then sizes=(--rows 2 --n 64 --linear 64,64,32); else sizes=(); fi
-      stage crosscheck 90 bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
-    *) echo "unknown stage $s (allowed: compile env native tests crosscheck quantize linear train ablation_short)" ;;
+      stage crosscheck "$box" bash -c "JAX_PLATFORMS=cpu $PY -m fp4jax.bench crosscheck --save $WORK/crosscheck_cpu.npz ${sizes[*]} && $PY -m fp4jax.bench crosscheck --against $WORK/crosscheck_cpu.npz --out $WORK/crosscheck ${sizes[*]}" ;;
   esac
-done
+done 3< "$WORK/plan.tsv"
 
 $PY -m fp4jax.bench gpu_summary --work "$WORK" --out "$OUT"
 pack

@@ -3,6 +3,7 @@
 import glob
 import os
 
+import jax
 import pytest
 
 from fp4jax.train import cli
@@ -32,7 +33,7 @@ def test_blocks_are_scanned_by_default_on_gpus_where_no_block_needs_its_own_path
   tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
   scanned = lambda c: train_config.resolve(c, tokenizer)[0].scan_layers
   assert config.model.scan_layers is None and not scanned(config)
-  monkeypatch.setattr(train_config.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert scanned(config)
   config.model.bf16_layers = ("head",)
   assert scanned(config)

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ import numpy as np
 import pytest
 
 from fp4jax import backends
-from fp4jax.bench import crosscheck, gpu_check, gpu_summary, hlo_stats, train_speed
+from fp4jax.bench import crosscheck, gpu_check, gpu_compile, gpu_plan, gpu_summary, hlo_stats
+from fp4jax.bench import train_speed
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.train import cli
 from tests.helpers import jaxpr_equations
@@ -219,6 +221,7 @@ def test_summary_checks_each_goal(tmp_path):
             '</testsuite></testsuites>')
   result, md = gpu_summary.summarize(w)
   met = {g["goal"].split(":")[0]: (g["value"], g["met"]) for g in result["goals"]}
+  result = {**result, "goals": gpu_summary.goals(w, ["xla", "pallas"])}
   assert met["pallas quantize row"] == (0.8, True)
   assert met["pallas quantize col +H16"] == (0.5, False)
   assert met["pallas quantize col"] == (None, None)
@@ -237,9 +240,99 @@ def test_summary_checks_each_goal(tmp_path):
   assert met["GPU tests failed or errored"] == (None, None)
 
 
+def test_summary_says_why_each_goal_went_unmeasured_in_the_checks_order(tmp_path):
+  """Correctness, the layer, the train step, the quantize kernels: a goal whose stage
+  timed out, ran out of budget or was not planned names that stage and how it ended."""
+  w = str(tmp_path)
+  with open(os.path.join(w, "plan.tsv"), "w") as f:
+    f.write("env\t20\ncrosscheck\t60\nlinear\t70\ntrain_bf16_xla\t50\n"
+            "train_mxfp4-dh16_mosaic\t65\ntests\t45\n")
+  with open(os.path.join(w, "stages.tsv"), "w") as f:
+    f.write("env\t0\t3\t20\ncrosscheck\t0\t40\t60\nlinear\t124 (timed out)\t70\t70\n"
+            "train_bf16_xla\t0\t40\t50\ntrain_mxfp4-dh16_mosaic\t137 (timed out)\t75\t65\n"
+            "tests\tnot run\t0\tbudget spent\n")
+  _write(os.path.join(w, "train_bf16_xla.json"), dict(recipe="bf16", backend="xla",
+                                                      tokens_per_s=1000.0))
+  _write(os.path.join(w, "crosscheck.json"), {"rows": [
+      {"case": "a", "pallas vs xla": {"mismatched": 0, "elements": 10}}]})
+  got = gpu_summary.goals(w, ["xla", "pallas", "mosaic"])
+  names = [g["goal"] for g in got]
+  order = ["GPU tests", "pallas vs xla", "Pallas interprets", "linear mxfp4-dh16 (xla)",
+           "linear mxfp4-dh16 (pallas)", "linear fp8 (mosaic)", "linear mxfp4 (mosaic)",
+           "linear mxfp4-dh16 (mosaic)", "train step mxfp4-dh16 (mosaic)",
+           "pallas quantize row"]
+  assert [next(i for i, n in enumerate(names) if n.startswith(o)) for o in order] == sorted(
+      next(i for i, n in enumerate(names) if n.startswith(o)) for o in order)
+  why = {g["goal"].split(":")[0]: g["why"] for g in got}
+  limit = {g["goal"].split(":")[0]: g["limit"] for g in got}
+  assert why["GPU tests failed or errored"] == "stage tests not run: budget spent"
+  assert why["pallas vs xla, same device"] is None
+  assert why["Pallas interprets on the GPU (1 = yes"] == (
+      "stage env ended (0) without this number: see its log")
+  assert why["linear mxfp4 (mosaic) at the 8B MLP shape"] == (
+      "stage linear exited 124 (timed out) after 70 s of its 70 s box")
+  assert limit["linear fp8 (mosaic) at the 8B MLP shape"] == 0.7
+  assert why["train step mxfp4-dh16 (mosaic)"] == (
+      "stage train_mxfp4-dh16_mosaic exited 137 (timed out) after 75 s of its 65 s box")
+  assert limit["train step mxfp4-dh16 (mosaic)"] == 1.0
+  assert why["pallas quantize row"] == "stage quantize is not in this call's plan"
+  _, md = gpu_summary.summarize(w)
+  assert "| pallas quantize col: fraction of copy bandwidth | not measured: stage quantize" in md
+
+
 def test_summary_of_an_empty_work_dir(tmp_path):
   result, md = gpu_summary.summarize(str(tmp_path))
-  assert result["goals"] == [] and result["stages"] == [] and "# fp4jax GPU check" in md
+  assert result["stages"] == [] and "# fp4jax GPU check" in md
+  assert all(g["value"] is None and g["why"].endswith("is not in this call's plan")
+             for g in result["goals"])
+
+
+def test_the_plan_fits_the_budget_in_priority_order():
+  """env, crosscheck, linear, the train arms, tests, quantize; native and compile only
+  with block-scaled FP4 units; over the budget, train arms go from the last."""
+  three = ["xla", "pallas", "mosaic"]
+  stages, left = gpu_plan.plan(9.0, backend_names=three)
+  names = [n for n, _ in stages]
+  assert names[:3] == ["env", "crosscheck", "linear"] and names[-2:] == ["tests", "quantize"]
+  arms = names[3:-2]
+  assert arms == ["train_bf16_xla", "train_mxfp4-dh16_mosaic", "train_fp8_mosaic"]
+  assert "train_fp8_pallas" not in arms and any("train_fp8_pallas: the same program" in l
+                                                for l in left)
+  assert sum(box for _, box in stages) <= gpu_plan.BUDGET_S
+  lines = gpu_plan.describe(stages, left, gpu_plan.BUDGET_S)
+  assert lines[len(stages)].endswith("s of the 500 s budget: fits")
+  two, _ = gpu_plan.plan(9.0, backend_names=["xla", "pallas"])
+  assert [n for n, _ in two if n.startswith("train_")] == [
+      "train_bf16_xla", "train_mxfp4-dh16_pallas", "train_mxfp4-dh16_xla", "train_fp8_xla"]
+  blackwell, left = gpu_plan.plan(10.0, backend_names=three)
+  assert [n for n, _ in blackwell][-2:] == ["native", "compile"]
+  assert sum(box for _, box in blackwell) <= gpu_plan.BUDGET_S
+  assert ('train_fp8_xla: over the 500 s budget (a call with GPU_CHECK_STAGES="env train" '
+          'runs it)') in left
+  alone, _ = gpu_plan.plan(9.0, ("env", "train"), backend_names=three)
+  assert len(alone) == 1 + 6 and sum(box for _, box in alone) <= gpu_plan.BUDGET_S
+  assert gpu_check.QUANTIZE_SIZE ** 2 * 2 >= 2 ** 30  # bf16 bytes
+
+
+def test_the_script_prints_its_plan_and_refuses_unknown_arguments():
+  env = dict(os.environ, PYTHON=sys.executable)
+  done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--plan"], env=env,
+                        capture_output=True, text=True, check=False, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert "sum of the boxes" in done.stderr and "budget: fits" in done.stderr
+  assert "train_bf16_xla" in done.stderr
+  done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--nope"], env=env,
+                        capture_output=True, text=True, check=False, timeout=120)
+  assert done.returncode == 2 and done.stderr.strip() == (
+      "gpu_check: unknown argument --nope (allowed: --dry-run, --plan)")
+
+
+def test_compile_arms_are_recipe_backend_pairs():
+  assert gpu_compile._arms("bf16:xla,mxfp4:native:scaled_matmul") == (
+      ("bf16", "xla", None), ("mxfp4", "native", "scaled_matmul"))
+  with pytest.raises(Exception, match="arm 'bf16:nope': want RECIPE:BACKEND"):
+    gpu_compile._arms("bf16:nope")
+  assert gpu_compile.STEP_CONFIGS["step-125m-scanned"] == ("configs/ablation_gpu.py", True)
 
 
 def test_train_config_is_trimmed():
@@ -251,6 +344,10 @@ def test_train_config_is_trimmed():
   full = train_speed.run_config(cli.load_config_file("configs/ablation_gpu.py"),
                                 "bf16", "xla", 20)
   assert (full.model.name, full.batch_size, full.seq_len) == ("llama-125m", 32, 1024)
+  assert full.model.scan_layers is False
+  scanned = train_speed.run_config(cli.load_config_file("configs/ablation_gpu.py"),
+                                   "bf16", "xla", 3, tiny=True, scan_layers=True)
+  assert scanned.model.scan_layers is True  # the dry run's tiny model scans too
 
 
 def test_a_python_that_cannot_import_jax_stops_the_check_with_exit_2(tmp_path):

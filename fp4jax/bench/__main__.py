@@ -7,7 +7,8 @@ import importlib
 import sys
 
 BENCHMARKS = ("dot_general", "kernels", "memory", "train_step", "crosscheck", "train_speed",
-              "gpu_check", "gpu_summary", "gemm_dtype", "gpu_compile", "study_throughput")
+              "gpu_check", "gpu_plan", "gpu_summary", "gemm_dtype", "gpu_compile",
+              "study_throughput")
 _USAGE = f"usage: python -m fp4jax.bench {{{','.join(BENCHMARKS)}}} [flags]"
 
 

@@ -7,10 +7,12 @@ STAGE:
             memory, whether Pallas compiles (not interprets), and which of
             pyproject.toml's runtime and test dependencies are missing
   quantize  fused quantize and fake quantize (row, column, +-H16) against a
-            copy of one [S, S] bf16 tensor (S = 8192; --tiny 256)
+            copy of one [S, S] bf16 tensor (S = 23296: 1.01 GiB, so that
+            launch overhead does not decide the ratio; --tiny 256)
   linear    forward+backward of one [M,K] x [K,N] bf16 layer for plain bf16
-            and the fp8, mxfp4 and mxfp4-dh16 recipes on the `xla` and
-            `pallas` dot_general backends, at the 8B MLP shape (16384, 4096, 14336) and the
+            and the fp8, mxfp4 and mxfp4-dh16 recipes on every dot_general
+            backend the check runs (fp4jax.bench.gpu_plan.train_backends: all
+            but `native`), at the 8B MLP shape (16384, 4096, 14336) and the
             attention shape (16384, 4096, 4096); the forward GEMM alone,
             bf16 against the packed-MXFP4 Pallas GEMM; the optimized HLO of
             every variant goes to DIR/hlo/ and its kernel count to the table
@@ -37,11 +39,13 @@ import tomllib
 import jax
 
 from fp4jax import backends, recipes
+from fp4jax.bench import gpu_plan
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.train import throughput
 from fp4jax.kernels import quantize as kq
 
 H200_HBM_TBS = 4.8  # HBM3e bandwidth, same datasheet
+QUANTIZE_SIZE = 23296  # 23296^2 bf16 = 1.01 GiB (182 x 128 rows and columns)
 LINEAR_SHAPES = ((16384, 4096, 14336), (16384, 4096, 4096))
 TINY_LINEAR_SHAPES = ((128, 128, 128), (128, 128, 64))
 LINEAR_RECIPES = ("fp8", "mxfp4", "mxfp4-dh16")
@@ -122,7 +126,7 @@ def env_stage(tiny, work):
 
 def quantize_stage(tiny, work):
   del work
-  size, repeats = (256, 2) if tiny else (8192, 20)
+  size, repeats = (256, 2) if tiny else (QUANTIZE_SIZE, 20)
   rows = bench_kernels.quantize_rows(size, repeats, pallas=True)
   copy = next((r for r in rows if r["name"] == "negate (copy)" and "GB/s" in r), None)
   note = ""
@@ -152,8 +156,10 @@ def _linear_tables(shapes, recipe_names, backend_names, repeats, work, gemm_only
   return tables, mds
 
 
-def linear_stage(tiny, work, backend_names=("xla", "pallas"), gemm_only=True):
+def linear_stage(tiny, work, backend_names=None, gemm_only=True):
   shapes, repeats = (TINY_LINEAR_SHAPES, 2) if tiny else (LINEAR_SHAPES, 10)
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  backend_names = backend_names or gpu_plan.train_backends(cc)[0]
   tables, mds = _linear_tables(shapes, LINEAR_RECIPES, backend_names, repeats, work,
                                gemm_only)
   return ({"repeats": repeats, "tables": tables},

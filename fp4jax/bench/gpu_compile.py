@@ -32,7 +32,7 @@ compile it, the CPU seconds this process (and its children) spent in them (a
 measure a loaded machine changes less) and the machine's load average (1, 5,
 15 min) when it finished, its
 size (lines of the lowered StableHLO, kernels of the compiled program:
-fp4jax.bench.hlo_stats.kernel_counts), its GEMMs by kind
+fp4jax.bench.hlo_stats.kernel_counts, its fusions by kind), its GEMMs by kind
 (fp4jax.bench.hlo_stats.gemms), the tensor-core instructions of each GEMM
 kernel read from the compiled binary (fp4jax.bench.gpu_binary; --no-sass
 skips it) and the memory the program needs: arguments + outputs + temporaries
@@ -49,6 +49,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,6 +92,7 @@ STEP_CONFIGS = {"step-tiny": ("configs/default.py", False),
                 "step-125m-scanned": ("configs/ablation_gpu.py", True)}
 PROGRAMS = ("linear", "kernels", "step-tiny", "step-125m", "step-125m-scanned", "block-8b")
 BLOCK_TOKENS = (2, 8192)
+_FUSION_KIND = re.compile(r" fusion\(.*?kind=(k\w+)")
 
 
 @dataclasses.dataclass
@@ -107,6 +109,7 @@ class Row:
   load_avg: tuple | None = None  # os.getloadavg() when the compile ended
   lowered_lines: int = 0  # lines of the lowered StableHLO module
   kernels: int = 0  # kernels the compiled program launches (hlo_stats.kernel_counts)
+  fusion_kinds: dict = dataclasses.field(default_factory=dict)  # fusions in the module by kind
   gemms: list = dataclasses.field(default_factory=list)  # hlo_stats.gemms + role, mma
   triton_calls: int = 0  # Pallas kernels compiled by Triton (__gpu$xla.gpu.triton)
   pallas_mma: dict | None = None  # "kernels" rows: SASS matrix instructions of the kernel
@@ -155,6 +158,7 @@ def compile_row(row, build, mesh, sass=True):
                       + stats.temp_size_in_bytes - stats.alias_size_in_bytes) / 2**20
   text = compiled.as_text()
   row.kernels = sum(hlo_stats.kernel_counts(text).values())
+  row.fusion_kinds = dict(collections.Counter(_FUSION_KIND.findall(text)))
   row.triton_calls = text.count('custom_call_target="__gpu$xla.gpu.triton"')
   row.gemms = hlo_stats.gemms(text)
   for g in row.gemms:
@@ -349,7 +353,8 @@ def markdown(rows):
 def _status(row):
   if not row.compiled:
     return f"NO: {row.error}"
-  return f"yes, {row.seconds:.0f} s ({row.cpu_seconds:.0f} s CPU)" + (f" (SASS not read: {row.sass_error})" if row.sass_error else "")
+  sass = f" (SASS not read: {row.sass_error})" if row.sass_error else ""
+  return f"yes, {row.seconds:.0f} s ({row.cpu_seconds:.0f} s CPU){sass}"
 
 
 def _counts(counter):

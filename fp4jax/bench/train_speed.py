@@ -36,18 +36,17 @@ from fp4jax.experiments import ablation
 def run_config(config, recipe, backend, steps, tiny=False, scan_layers=False):
   """The trainer config: `config` trimmed to `steps` steps of `recipe` on `backend`.
 
-  scan_layers: nn.scan over the blocks (one block to compile, not n_layers).
+  scan_layers: nn.scan over the blocks (one block to compile, not n_layers), or not.
   """
   cfg = ablation.run_config(config, recipe, seed=0) if "ablation" in config else config
   cfg.quant.name = recipe
   cfg.quant.backend = backend
-  if scan_layers:
-    cfg.model.scan_layers = True
   cfg.steps = cfg.eval_every = cfg.checkpoint_every = cfg.log_every = steps
   cfg.eval_batches = 1
   if tiny:
     cfg.model = train_config.model_template("tiny")
     cfg.batch_size, cfg.seq_len, cfg.eval_batch_size = 4, 64, 4
+  cfg.model.scan_layers = scan_layers
   return cfg
 
 

@@ -153,11 +153,12 @@ def resolve(config, tokenizer):
 def scan_by_default(config, model_cfg, platform=None):
   """Whether a config that leaves model.scan_layers unset scans its blocks.
 
-  On GPUs, yes (one block to compile: the 125M step of configs/ablation_gpu.py
-  compiles 1.3x (bf16) to 4x (mxfp4-dh16 on xla) faster for an H200, for
-  about 21% more peak memory; docs/performance.md), unless something needs each
-  block's own module path: bf16_layers other than the head, or the per-block
-  Wgrad switch (adaptive_wgrad). Elsewhere, no. platform: default jax's.
+  On GPUs, yes (one block to compile: compiling the 125M step of
+  configs/ablation_gpu.py for an H200 takes 1.5x (bf16) to 3.7x (mxfp4-dh16 on
+  xla) less CPU time scanned, and XLA assigns it 21-27% more memory;
+  docs/performance.md), unless something needs each block's own module path:
+  bf16_layers other than the head, or the per-block Wgrad switch
+  (adaptive_wgrad). Elsewhere, no. platform: default jax's.
   """
   platform = platform or jax.default_backend()
   return (platform == "gpu" and all(n == "head" for n in model_cfg.bf16_layers)
