@@ -18,12 +18,14 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import fp4jax
@@ -709,3 +711,139 @@ def test_calibration_flags_are_refused_where_they_do_not_apply(runs, tmp_path,
   assert not pipeline.validation_windows(num_batches=held, **data).overlap
   with pytest.raises(pipeline.TooManyBatches):
     pipeline.validation_windows(num_batches=held + 1, **data)
+
+
+# ---------------------------------------------------------------------------
+# What the export and init_from refuse: real files edited on disk, the CLIs
+# run as processes (one CPU device, as a user's laptop).
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# train.py for one step from --config.init_from, with the model of `trained`.
+INIT_FROM = ["train.py", "--config=configs/default.py", "--config.quant=bf16",
+             "--config.model.dim=64", "--config.model.n_layers=2",
+             "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
+             "--config.model.mlp_dim=64", "--config.steps=1",
+             "--config.seq_len=32", "--config.eval_batches=1",
+             "--config.async_checkpointing=False"]
+DOWN = "model.layers.1.mlp.down_proj"
+
+
+def _cli(*args):
+  """(exit status, stdout + stderr) of `python ARGS` in the repository."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  return result.returncode, result.stdout + result.stderr
+
+
+def _refused(rc, out, *names):
+  """Exit status 2 and one line naming each of `names`, no traceback and
+  no NumPy warning."""
+  assert rc == 2, out[-3000:]
+  assert "Traceback" not in out and "Warning" not in out, out[-3000:]
+  line = out.strip().splitlines()[-1]
+  for name in names:
+    assert name in line, (name, out[-3000:])
+
+
+def _poke(path, name, raw, index=0):
+  """Writes bytes `raw` over element `index` of tensor `name` of the
+  safetensors file `path`, in place."""
+  with open(path, "r+b") as f:
+    (size,) = struct.unpack("<Q", f.read(8))
+    entry = json.loads(f.read(size))[name]
+    itemsize = {"F32": 4, "U8": 1, "F8_E4M3": 1}[entry["dtype"]]
+    f.seek(8 + size + entry["data_offsets"][0] + index * itemsize)
+    f.write(raw)
+
+
+def _edited_config(directory, edit):
+  """Applies edit(dict) to config.json of `directory`."""
+  path = os.path.join(directory, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  edit(config)
+  with open(path, "w") as f:
+    json.dump(config, f)
+
+
+def test_weights_with_nan_are_refused_before_anything_is_written(trained,
+                                                                 tmp_path):
+  run = str(tmp_path / "run")
+  shutil.copytree(trained, run)
+  state = os.path.join(run, "checkpoints", str(STEPS), "state")
+  tree = jax.tree.map(np.array, ocp.StandardCheckpointer().restore(state))
+  tree["params"]["block_1"]["mlp"]["down"]["kernel"][0, 0] = np.nan
+  shutil.rmtree(state)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(state, tree)
+  for args in ([], ["--quantize", "nvfp4"]):
+    out = tmp_path / "out"
+    rc, log = _cli("-m", "fp4jax.convert", "export", run, str(out), *args)
+    _refused(rc, log, f"the checkpoint at step {STEPS} of {run!r} holds NaN or "
+             "Inf in 1 tensor(s): block_1/mlp/down/kernel", "--step")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+@pytest.mark.parametrize("tensor, raw, message", [
+    ("weight_global_scale", struct.pack("<f", -2.0**20),
+     "is -1048576.0; a per-tensor scale must be positive and finite"),
+    ("weight_global_scale", struct.pack("<f", 0.0),
+     "is 0.0; a per-tensor scale must be positive and finite"),
+    ("weight_scale", b"\x7f", "1 of its 256 block scales are negative or NaN "
+     "(the first nan at [0, 0]); block scales must be finite and >= 0")],
+    ids=["negative_global", "zero_global", "nan_block"])
+def test_init_from_refuses_a_packed_scale_that_is_not_positive(
+    exports, tmp_path, tensor, raw, message):
+  bad = str(tmp_path / "export")
+  shutil.copytree(exports["nvfp4"][0], bad)
+  _poke(os.path.join(bad, "model.safetensors"), f"{DOWN}.{tensor}", raw)
+  rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
+                 f"--config.init_from={bad}")
+  _refused(rc, log, "config.init_from", f"{DOWN}.{tensor}", message)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(quantization_config="nvfp4"),
+     "field 'quantization_config' must be an object or null, got \"nvfp4\""),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"][
+        "weights"].update(group_size=32),
+     "num_bits 4, type 'float', group_size 32 do not fit format "
+     "'nvfp4-pack-quantized', whose tensors hold 4-bit floats (E2M1) in "
+     "groups of 16"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"][
+        "weights"].update(num_bits=8), "num_bits 8, type 'float'"),
+    (lambda c: c.pop("quantization_config"),
+     "config.json has no quantization_config, yet its weights hold 7 packed "
+     f"FP4 modules (e.g. '{DOWN}.weight_packed')"),
+], ids=["string", "group_size", "num_bits", "deleted"])
+def test_init_from_checks_the_declaration_against_the_tensors(
+    exports, tmp_path, edit, message):
+  bad = str(tmp_path / "export")
+  shutil.copytree(exports["nvfp4"][0], bad)
+  _edited_config(bad, edit)
+  rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
+                 f"--config.init_from={bad}")
+  _refused(rc, log, "config.init_from", message)
+
+
+def test_init_from_a_modelopt_export_checks_its_file_and_scales(runs, tmp_path):
+  good = str(tmp_path / "modelopt")
+  export.export(runs["nvfp4"], good, quantize="nvfp4", layout="modelopt",
+                calibration_batches=1)
+  for case in ("deleted", "negative"):
+    bad = str(tmp_path / case)
+    shutil.copytree(good, bad)
+    if case == "deleted":
+      os.remove(os.path.join(bad, hf_packed.MODELOPT_CONFIG))
+      message = (f"{bad!r} has no hf_quant_config.json, yet its weights hold 7 "
+                 f"packed FP4 modules (e.g. '{DOWN}.weight_scale_2')")
+    else:
+      _poke(os.path.join(bad, "model.safetensors"), f"{DOWN}.weight_scale_2",
+            struct.pack("<f", -1.0))
+      message = (f"tensor '{DOWN}.weight_scale_2' is -1.0; a per-tensor scale "
+                 "must be positive and finite")
+    rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / case}_run",
+                   f"--config.init_from={bad}")
+    _refused(rc, log, "config.init_from", message)
