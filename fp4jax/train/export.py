@@ -16,7 +16,8 @@ layouts are those of fp4jax.llama.hf; the other way is
 `--config.init_from` (fp4jax.train.init_from). With --quantize, the block
 linears are written packed in FP4 (fp4jax.train.export_fp4: the trained
 forward's codes and scales when it computed in that format), the other
-tensors in --dtype. Bad input: one line, exit code 2.
+tensors in --dtype. Bad input (a checkpoint whose weights hold NaN or Inf
+included): one line, exit code 2.
 
 The export is written into OUT_DIR.partial beside OUT_DIR and renamed to
 OUT_DIR once complete, so a killed export leaves no OUT_DIR (only the

@@ -59,7 +59,8 @@ class _RunCheckpoint:
 def load(source, abstract_params, path):
   """source.load(abstract_params), refusing parameters that are not finite
   (ConfigError naming the tensors that hold NaN or Inf: a run from them
-  would skip every step) and a packed scale that is not (hf_packed)."""
+  would skip every step); a tensor refused while it is read (a packed block
+  scale that is NaN, hf_packed) is a ConfigError too."""
   try:
     params = source.load(abstract_params)
   except hf_llama.ConvertError as e:
