@@ -215,13 +215,15 @@ class _Reader:
     """float32 per-tensor scale of an NVFP4 module, as stored; ConvertError
     unless it is positive and finite."""
     name = f"{module}.{_PARTS[self.ckpt.layout][2]}"
-    g = self._read(name, np.float32,
-                   (1,) if self.ckpt.layout == "compressed-tensors" else ())
+    g = self._read(name, np.float32)
+    where = f"{self.ckpt.packed_files[name]!r}: tensor {name!r}"
+    if g.size != 1:
+      raise ConvertError(f"{where} has shape {list(g.shape)}; a per-tensor "
+                         "scale holds one number")
     g = g.reshape(())
     if not (np.isfinite(g) and g > 0):
-      raise ConvertError(f"{self.ckpt.packed_files[name]!r}: tensor {name!r} "
-                         f"is {g}; a per-tensor scale must be positive and "
-                         "finite")
+      raise ConvertError(f"{where} is {g}; a per-tensor scale must be "
+                         "positive and finite")
     return g
 
   def _dequantize(self, module):
