@@ -170,3 +170,19 @@ def test_runs_are_compared_with_the_same_seeds_baseline(tmp_path):
   mxfp4 = {r.recipe: r for r in rows}["mxfp4"]
   assert mxfp4.overhead[0] == pytest.approx(0.25) and mxfp4.overhead[1] == pytest.approx(0.0)
   assert mxfp4.delta_loss == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("fp8, mxfp4", [
+    ([5.0, 4.0], [5.5]),  # the recipe's one evaluation is at 0 tokens: no token ratio
+    ([5.5], [5.0, 4.0]),  # the baseline's: it was at the target before its first token
+    ([5.0, 4.0], []),     # a training row, no evaluation yet
+], ids=["recipe", "baseline", "no-evaluation"])
+def test_the_report_on_runs_of_one_row(tmp_path, fp8, mxfp4, capsys):
+  workdir = str(tmp_path)
+  _fake_run(workdir, "fp8_seed0", fp8)
+  _fake_run(workdir, "mxfp4_seed0", mxfp4)
+  if not mxfp4:
+    (tmp_path / "mxfp4_seed0" / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "tokens": 100, "loss": 5.0}) + "\n")
+  assert report.main(["report", workdir]) == 0, capsys.readouterr().err
+  assert "| mxfp4 |" in (tmp_path / "table.md").read_text()

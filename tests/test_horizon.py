@@ -150,7 +150,8 @@ DECLARATION = dict(
     validity=[dict(claim="C1", arms=["A1", "A2"], tolerance=0.03, role="wgrad")])
 
 
-def _write_run(folder, arm, seed, steps, losses, wgrad_err=None):
+def _write_run(folder, arm, seed, steps, losses, wgrad_err=None, snr_true=None,
+               status="completed"):
   path = os.path.join(folder, f"{arm}_seed{seed}")
   os.makedirs(path)
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
@@ -159,9 +160,11 @@ def _write_run(folder, arm, seed, steps, losses, wgrad_err=None):
       if wgrad_err is not None and step:
         row["diag/train/block_0/attn/q/wgrad/lhs_err"] = wgrad_err
         row["diag/train/block_0/attn/q/wgrad/rhs_err"] = 2 * wgrad_err
+      if snr_true is not None and step:
+        row["diag/train/block_0/attn/q/wgrad/snr_true"] = snr_true
       f.write(json.dumps(row) + "\n")
   with open(os.path.join(path, "summary.json"), "w") as f:
-    json.dump(dict(status="completed"), f)
+    json.dump(dict(status=status), f)
 
 
 def test_the_growth_family_and_the_validity_rule_on_synthetic_curves(tmp_path):
@@ -192,6 +195,67 @@ def test_the_growth_family_and_the_validity_rule_on_synthetic_curves(tmp_path):
   curves = horizon.contrast_curves(report.load_runs(folder), declaration.load(
       str(tmp_path / "DECLARATION.json")))
   assert curves["C1 = A1 - A2"][1].shape == (3, steps.size)
+
+
+def _diverged_study(folder, rule=None):
+  """Three seeds of A0, A1, A2 (A1 0.02 nats per e-fold worse than A2, its
+  Wgrad snr_true below sqrt(3)); A1 seed 2's validation loss NaN from step
+  1500, and A0 seed 1 stopped by the trainer (finite losses)."""
+  rng = np.random.default_rng(2)
+  steps = np.arange(0, 2001, 250)
+  ln = np.log(np.maximum(steps, 1))
+  for seed in range(3):
+    base = 4.0 - 0.3 * ln + rng.normal(0, 0.01, steps.size)
+    _write_run(folder, "A0", seed, steps, base, status="diverged" if seed == 1 else "completed")
+    _write_run(folder, "A2", seed, steps, base + 0.001 * rng.normal(size=steps.size), 0.1)
+    a1 = base + (0.02 + 0.001 * rng.normal()) * ln
+    if seed == 2:
+      a1[steps >= 1500] = math.nan
+    _write_run(folder, "A1", seed, steps, a1, 0.1, snr_true=1.0)
+  decl = dict(DECLARATION, **({} if rule is None else dict(diverged=rule)))
+  with open(os.path.join(folder, "DECLARATION.json"), "w") as f:
+    json.dump(decl, f)
+
+
+def test_a_diverged_run_is_named_and_counts_by_the_declared_rule(tmp_path, capsys):
+  """By default (exclude) a diverged run's seed leaves its contrasts, which
+  say so (n=2 of 3); the report and horizon.md name the run; no '+nan'."""
+  folder = str(tmp_path / "study")
+  _diverged_study(folder)
+  assert horizon.main(["horizon", "e1", folder]) == 0
+  assert report.main(["report", folder, "--baseline=A0"]) == 0, capsys.readouterr().err
+  for name in ("horizon.md", "table.md"):
+    text = (tmp_path / "study" / name).read_text()
+    assert "+nan" not in text, name
+    assert ("count by the declaration's rule `diverged: exclude` (the default)" in text
+            and "Diverged: A0 seed 1 (stopped by the trainer on non-finite steps), A1 seed 2 "
+            "(validation loss nan at step 1500)." in text), name
+    c1 = next(l for l in text.splitlines() if l.startswith("- **") and "C1 = A1 - A2" in l)
+    assert c1.startswith("- **supported**: C1") and c1.endswith(
+        "n=2 of 3 seeds; diverged, left out: A1 seed 2).")
+    c3 = next(l for l in text.splitlines() if l.startswith("- **") and "C3 = A2 - A0" in l)
+    assert c3.endswith("n=2 of 3 seeds; diverged, left out: A0 seed 1).")
+  assert "| A1 | 1 (+2 with a diverged run) |" in (tmp_path / "study" / "table.md").read_text()
+  # The other rule: no verdict on a claim with a diverged run, its p taken as 1.
+  folder = str(tmp_path / "strict")
+  _diverged_study(folder, "inconclusive")
+  assert horizon.main(["horizon", "e1", folder]) == 0
+  text = (tmp_path / "strict" / "horizon.md").read_text()
+  assert "rule `diverged: inconclusive`:" in text
+  c1 = next(l for l in text.splitlines() if l.startswith("- **") and "C1 = A1 - A2" in l)
+  assert c1.startswith("- **inconclusive**: C1. Not judged: a run diverged (claim p taken as 1)")
+  with open(os.path.join(folder, "DECLARATION.json"), "w") as f:
+    json.dump(dict(DECLARATION, diverged="worst"), f)
+  with pytest.raises(errors.UserError, match="diverged 'worst' is not one of exclude, "
+                     "inconclusive"):
+    declaration.load(os.path.join(folder, "DECLARATION.json"))
+
+
+@pytest.mark.parametrize("study", ["sr_bias_tiny", "horizon_tiny"])
+def test_the_committed_declarations_load_with_the_default_rule(study):
+  path = os.path.join(ROOT, "results", study, "DECLARATION.json")
+  assert declaration.load(path).diverged == "exclude"
+  assert declaration.status(os.path.dirname(path), path) == "declared"
 
 
 def test_operand_errors_and_the_validity_rule():

@@ -251,3 +251,23 @@ def test_sigterm_reaches_the_runs_side_by_side_and_the_study_resumes(tmp_path):
     assert f"resuming at step {before['step']}" in out.stdout, out.stdout[-3000:]
     steps = [json.loads(line)["step"] for line in m.read_text().splitlines()]
     assert steps == sorted(set(steps))
+
+
+def _killed(*args):
+  """A run's child process killed from outside (as by the out-of-memory killer)."""
+  del args
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_run_killed_by_a_signal_is_named(tmp_path, monkeypatch):
+  """A child killed by SIGKILL prints nothing: the runner names the signal
+  and does not point at errors printed above."""
+  config = _study(seeds=1)
+  config.ablation.update(dict(cpus_per_run=1, parallel=1))
+  monkeypatch.setattr(ablation, "_train_in_child", _killed)
+  with pytest.raises(errors.UserError) as failure:
+    ablation.run_ablation(config, str(tmp_path / "work"))
+  assert str(failure.value) == (
+      f"1 runs failed: {tmp_path / 'work' / 'bf16'} (killed by SIGKILL, so it printed no error; the "
+      "kernel's out-of-memory killer sends SIGKILL); the finished runs are kept")

@@ -112,3 +112,13 @@ def test_late_mean_averages_the_second_half():
   tokens = np.array([0.0, 100, 200, 300, 400])
   assert stats.late_mean(tokens, [9.0, 8, 3, 2, 1]) == pytest.approx(2.0)  # 200, 300, 400
   assert math.isnan(stats.late_mean(tokens, [9.0, 8, 3, math.nan, 1]))
+
+
+def test_a_curve_of_one_evaluation_has_no_multiplier_and_no_error():
+  """A run with one evaluation (at 0 tokens, or the baseline's only one) has
+  no token ratio: nan, not a math domain error."""
+  one, zero = np.array([0.0]), np.array([6.0])
+  assert math.isnan(stats.token_multiplier(one, zero, TOKENS, _loss(TOKENS)).value)
+  assert math.isnan(stats.token_multiplier(TOKENS, _loss(TOKENS), one, zero).value)
+  for curve in (stats.BaselineCurve, stats.PowerLawCurve):
+    assert math.isnan(curve.fit(one, zero, 0.5).tokens_for(5.0)[0])

@@ -8,6 +8,7 @@ these are fast: what is tested is which runs the runner reuses.
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from fp4jax import errors
 from fp4jax.experiments import ablation
 from fp4jax.experiments import committed
+from fp4jax.experiments import report
 from fp4jax.experiments import study_config
 from fp4jax.train import config as train_config
 
@@ -154,3 +156,78 @@ def test_an_interrupted_study_says_so_and_reports_nothing(tmp_path, monkeypatch,
   assert ("ablation: interrupted (stopped by SIGTERM at step 3; a checkpoint was saved); "
           "run the same command again to resume") in out, out
   assert not (tmp_path / "work" / "table.md").exists()
+
+
+def test_a_refused_start_leaves_no_record_behind(tmp_path, fake_training):
+  """A start refused for its cores or a trainer key writes nothing, so the
+  corrected command starts the study."""
+  work = tmp_path / "work"
+  for key, value, match in (("ablation.cpus_per_run", len(os.sched_getaffinity(0)) + 1,
+                             r"cpus_per_run=\d+ needs \d+ cores"),
+                            ("steps", 0, r"config.steps must be >= 1, got 0")):
+    config = _config()
+    if key.startswith("ablation."):
+      config.ablation[key[len("ablation."):]] = value
+    else:
+      config[key] = value
+    with pytest.raises(errors.UserError, match=match):
+      ablation.run_ablation(config, str(work))
+    assert not work.exists() and not fake_training
+  ablation.run_ablation(_config(), str(work))
+  assert len(fake_training) == 2
+
+
+def test_a_record_no_run_began_under_is_named(tmp_path, monkeypatch):
+  """A start that recorded its config and stopped before its first run (here
+  at the trainer's start-up): the rerun with another config is told which
+  record blocks it and that no run began."""
+  def refused(*args):
+    raise train_config.ConfigError("bad config: no such training file")
+
+  monkeypatch.setattr(ablation, "_train", refused)
+  work = str(tmp_path / "work")
+  with pytest.raises(errors.UserError, match="no such training file"):
+    ablation.run_ablation(_config(), work)
+  other = _config()
+  other.steps = 6
+  record = os.path.join(work, study_config.RECORD)
+  with pytest.raises(errors.UserError) as refusal:
+    ablation.run_ablation(other, work)
+  assert str(refusal.value).startswith(
+      f"{work!r} holds the record of another config ({record}: steps: 4 -> 6), and no run "
+      f"of it began (an earlier start stopped before its first run): remove that "
+      f"{study_config.RECORD} to start this config in its place")
+
+
+_DECLARED = dict(baseline="fp8", primary="final", late_from=0.5, smallest_effect_tokens=0.05,
+                 alpha=0.05, correction="holm", power=0.8, claims=[dict(
+                     text="bf16 differs", contrasts=[dict(
+                         label="bf16 - fp8", weights=dict(bf16=1, fp8=-1), direction="!=")])])
+
+
+def test_the_report_of_a_moved_study_reads_its_own_declaration(tmp_path, monkeypatch,
+                                                               capsys):
+  """ablation_config.json names the declaration as the first run's command
+  did (relative to where it started); a copy of the folder, redrawn from
+  anywhere, reads the DECLARATION.json inside it."""
+  study = tmp_path / "study"
+  for name in ("bf16", "fp8"):
+    write_finished_run(str(study / name), _config())
+  (study / study_config.RECORD).write_text(json.dumps(
+      {"ablation": {"recipes": "bf16,fp8", "declaration": "study/DECLARATION.json"}}))
+  (study / "DECLARATION.json").write_text(json.dumps(dict(_DECLARED, study="original")))
+  copy = tmp_path / "elsewhere" / "study"
+  shutil.copytree(study, copy)
+  (copy / "DECLARATION.json").write_text(json.dumps(dict(_DECLARED, study="edited copy")))
+  monkeypatch.chdir(tmp_path)  # where study/DECLARATION.json is the original's
+  assert report.main(["report", str(copy)]) == 0
+  assert "of study `edited copy`" in (copy / "table.md").read_text()
+  # Without one of its own, the recorded path, found from here or named as missing.
+  os.remove(copy / "DECLARATION.json")
+  assert report.main(["report", str(copy)]) == 0
+  assert "of study `original`" in (copy / "table.md").read_text()
+  monkeypatch.chdir(copy)
+  capsys.readouterr()
+  assert report.main(["report", str(copy)]) == 2
+  assert ("names the declaration 'study/DECLARATION.json' (a path from where the study's "
+          "first run started), not found from here") in capsys.readouterr().err

@@ -65,6 +65,7 @@ interrupted ablation still holds complete pairs.
 import copy
 import json
 import os
+import signal
 import sys
 import time
 
@@ -250,6 +251,7 @@ def run_ablation(config, workdir, results=None, git_commit=False,
         f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
   if git_commit and not results:
     raise train_config.ConfigError("--git_commit needs --results=FOLDER (what it commits)")
+  _check_before_recording(config, arms[0])
   counts = seed_counts(config, names)
   seeds = [config.seed + i for i in range(config.ablation.seeds)]
   runs = [(arm, seed, report.run_dir(workdir, arm.name, seed, len(seeds)))
@@ -268,11 +270,16 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   workdir_lib.prepare(out, "--results folder" if results else "--workdir")
   diffs = _other_config(config, workdir, results, runs)
   if diffs and not new_runs_beside:
+    if study_config.runs_begun(workdir) + study_config.runs_begun(out):
+      what = (f"{out!r} holds a study run with another config ({diffs}); its runs are not "
+              "reused for this one. Rerun the config they were trained with")
+    else:
+      what = (f"{out!r} holds the record of another config ({diffs}), and no run of it "
+              "began (an earlier start stopped before its first run): remove that "
+              f"{study_config.RECORD} to start this config in its place")
     raise errors.UserError(
-        f"{out!r} holds a study run with another config ({diffs}); its runs are not "
-        "reused for this one. Rerun the config they were trained with, give another "
-        "--results / --workdir, or pass --new_runs_beside to train this config's runs in "
-        f"{study_config.beside(out, config)}")
+        f"{what}, give another --results / --workdir, or pass --new_runs_beside to train "
+        f"this config's runs in {study_config.beside(out, config)}")
   if diffs:
     beside = study_config.beside(out, config)
     print(f"ablation: {out} holds a study run with another config ({diffs}); this "
@@ -301,6 +308,16 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   if git_commit:
     committed.git_commit([results], f"{results}: report")
   return rows
+
+
+def _check_before_recording(config, arm):
+  """The start-up checks that need no data (the run slots, the trainer's own
+  keys): a study refused by them leaves no record behind (ConfigError)."""
+  parallel.slots(config.ablation.parallel, config.ablation.cpus_per_run)
+  try:
+    train_config.check(run_config(config, arm, config.seed))
+  except ValueError as e:
+    raise train_config.ConfigError(f"bad config: {e}") from None
 
 
 def _other_config(config, workdir, results, runs) -> str:
@@ -390,7 +407,7 @@ def _train_all(config, todo, results, git_commit) -> bool:
     return True
   print(f"ablation: {len(todo)} runs, {len(run_slots)} at a time, each in its own process "
         f"on {ab.cpus_per_run} core(s) ({', '.join(map(str, run_slots))})", flush=True)
-  failed, stopped = [], []
+  failed, stopped, exited = [], [], []
 
   def on_end(job, exitcode):
     arm, seed, path = job[1:4]
@@ -399,19 +416,33 @@ def _train_all(config, todo, results, git_commit) -> bool:
       _publish(results, git_commit, arm, seed, path)
     elif status == "interrupted":
       stopped.append(path)
+    elif exitcode < 0:
+      failed.append(f"{path} ({_killed_by(-exitcode)})")
     else:
       failed.append(f"{path} (exit code {exitcode})")
+      exited.append(path)
 
   jobs = [(config, arm, seed, path, logging.get_verbosity()) for arm, seed, path in todo]
   signal_name = parallel.run(jobs, run_slots, _train_in_child, on_end)
   if failed:
-    raise errors.UserError(f"{len(failed)} runs failed: {', '.join(failed)}; their errors "
-                           "are printed above; the finished runs are kept")
+    printed = "; the errors of those with an exit code are printed above" if exited else ""
+    raise errors.UserError(f"{len(failed)} runs failed: {', '.join(failed)}{printed}; the "
+                           "finished runs are kept")
   if signal_name or stopped:
     print(f"ablation: interrupted ({signal_name or 'a run stopped'}; {len(stopped)} runs "
           "saved a checkpoint); run the same command again to resume", flush=True)
     return False
   return True
+
+
+def _killed_by(signum):
+  """Why a run killed by signal `signum` printed no error, in words."""
+  try:
+    name = signal.Signals(signum).name
+  except ValueError:
+    name = f"signal {signum}"
+  oom = "; the kernel's out-of-memory killer sends SIGKILL" if name == "SIGKILL" else ""
+  return f"killed by {name}, so it printed no error{oom}"
 
 
 def _use_compilation_cache(config):
@@ -447,7 +478,10 @@ def _train(config, arm, seed, path):
     print(f"ablation: {path} was begun in another environment ({moved}); resumed here, "
           "its wall.json lists both", flush=True)
   cfg = run_config(config, arm, seed)
-  callback = diagnostics_callback(config, cfg)
+  try:
+    callback = diagnostics_callback(config, cfg)
+  except (ValueError, FileNotFoundError) as e:  # as the trainer's start-up checks
+    raise train_config.ConfigError(f"bad config: {e}") from e
   print(f"ablation: training {arm.name} (seed {seed}) in {path}", flush=True)
   t0 = time.time()
   try:

@@ -12,12 +12,22 @@ The file (JSON, committed with the study, e.g. results/<study>/DECLARATION.json)
                                       tokens; in nats through the baseline's
                                       own late slope dL/d ln(tokens)
    "alpha": 0.05, "correction": "holm", "power": 0.8,
+   "diverged": "exclude",             what a diverged run counts as (optional;
+                                      default "exclude", see below)
    "claims": [{"text": "...", "contrasts": [
        {"label": "mxfp4-sr - mxfp4", "weights": {"mxfp4-sr": 1, "mxfp4": -1},
         "direction": ">"}]}]}       ">", "<" or "!=" (fp4jax.experiments.hypothesis_tests)
 
 A claim holds when all its contrasts do; its p-value is the largest of its
 contrasts' (intersection-union), and Holm runs over the claims.
+
+A run diverged when one of its validation losses is not finite or the
+trainer stopped it on non-finite steps (fp4jax.experiments.report.
+diverged_runs); the report names every such run. `diverged` says what it
+counts as (DIVERGED): "exclude" (the default) leaves its seed out of the
+contrasts the run is in, and each verdict says on how many of the seeds it
+stands; "inconclusive" judges no claim with a diverged run among its
+contrasts' seeds.
 
 The ablation runner calls `record(workdir, path)` before its first run: it
 writes WORKDIR/declaration_record.json (the file's SHA-256 and the time) once
@@ -40,6 +50,14 @@ from fp4jax.experiments import hypothesis_tests
 RECORD = "declaration_record.json"
 PRIMARY = ("late_mean", "final")
 CORRECTIONS = ("holm",)
+# What a diverged run counts as (the declaration's "diverged").
+DIVERGED_DEFAULT = "exclude"
+DIVERGED = {
+    "exclude": "a seed where a run of a contrast diverged is left out of that contrast, "
+               "and each verdict says on how many of the seeds it stands (fewer than 2 "
+               "left: not judged, its p taken as 1 in Holm)",
+    "inconclusive": "a claim with a diverged run among its contrasts' seeds is not judged "
+                    "(inconclusive, its p taken as 1 in Holm)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +87,7 @@ class Declaration:
   correction: str
   power: float
   claims: tuple
+  diverged: str = DIVERGED_DEFAULT
   path: str = ""
 
 
@@ -84,6 +103,9 @@ def load(path) -> Declaration:
         f"primary {raw['primary']!r} is not one of {', '.join(PRIMARY)}")
   _need(raw["correction"] in CORRECTIONS, path,
         f"correction {raw['correction']!r} is not one of {', '.join(CORRECTIONS)}")
+  diverged = raw.get("diverged", DIVERGED_DEFAULT)
+  _need(diverged in DIVERGED, path,
+        f"diverged {diverged!r} is not one of {', '.join(DIVERGED)}")
   for key in ("late_from", "alpha", "power"):
     _need(0 < raw[key] < 1, path, f"{key} must lie in (0, 1), got {raw[key]!r}")
   _need(raw["smallest_effect_tokens"] > 0, path, "smallest_effect_tokens must be > 0")
@@ -102,7 +124,8 @@ def load(path) -> Declaration:
     claims.append(Claim(c["text"], tuple(contrasts)))
   return Declaration(raw["study"], raw["baseline"], raw["primary"], float(raw["late_from"]),
                      float(raw["smallest_effect_tokens"]), float(raw["alpha"]),
-                     raw["correction"], float(raw["power"]), tuple(claims), str(path))
+                     raw["correction"], float(raw["power"]), tuple(claims), diverged,
+                     str(path))
 
 
 def file_hash(path) -> str:

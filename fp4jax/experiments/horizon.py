@@ -9,7 +9,8 @@ is the report's (fp4jax.experiments.report, .verdicts). Its second family:
              steps (> 0: the gap widens). `growth_section` judges the
              declaration's claims on it (verdicts.evaluate, Holm over them)
              with the declared smallest growth (the primary smallest effect
-             spread over ln(hi / lo)).
+             spread over ln(hi / lo)); a diverged run counts by the
+             declaration's rule, as for the primary statistic.
 `operand_errors` gives an arm's Wgrad operand errors: the validity rule of a
 contrast for "variation in time" needs its two arms at the same error size.
 `snr_crossing` gives the first diagnostic window where an arm's Wgrad
@@ -125,15 +126,17 @@ def crossing_lines(crossings, curves, marks) -> list[str]:
   return lines
 
 
-def contrast_curves(runs, decl):
+def contrast_curves(runs, decl, diverged=frozenset()):
   """{contrast label: (steps_T, per-seed weighted difference [seeds, T])} on the
-  evaluation steps every run of the contrast has."""
+  evaluation steps every run of the contrast has; seeds where one of its runs
+  diverged ((arm, seed) in `diverged`) are left out."""
   out = {}
   for claim in decl.claims:
     for c in claim.contrasts:
       if any(a not in runs for a in c.weights):
         continue
-      by_arm = {a: {r.seed: dict(zip(*eval_curve(r))) for r in runs[a]} for a in c.weights}
+      by_arm = {a: {r.seed: dict(zip(*eval_curve(r))) for r in runs[a]
+                    if (a, r.seed) not in diverged} for a in c.weights}
       seeds = sorted(set.intersection(*(set(v) for v in by_arm.values())))
       if not seeds:
         continue
@@ -172,9 +175,12 @@ def growth_section(workdir, path=None) -> list[str]:
   runs = report.load_runs(workdir)
   slope, smallest = report.smallest_effect(runs, decl)
   smallest_growth = smallest / math.log(hi / lo)
+  diverged = report.diverged_runs(runs)
   values = {arm: {r.seed: growth(*eval_curve(r), lo, hi) for r in rs} for arm, rs in runs.items()}
-  results = verdicts.evaluate(decl, values, smallest_growth)
-  curves = contrast_curves(runs, decl)
+  values = {arm: {seed: g for seed, g in v.items()  # nan and not diverged: too few evaluations
+                  if math.isfinite(g) or (arm, seed) in diverged} for arm, v in values.items()}
+  results = verdicts.evaluate(decl, values, smallest_growth, set(diverged))
+  curves = contrast_curves(runs, decl, set(diverged))
   crossings = {arm: snr_crossing(rs) for arm, rs in runs.items()}
   marks = {c.label: min((crossings[a] for a in c.weights if crossings.get(a) is not None),
                         default=None)
@@ -187,7 +193,8 @@ def growth_section(workdir, path=None) -> list[str]:
            f"steps. Smallest growth of interest: {smallest:.4f} nats (the primary smallest "
            f"effect, baseline slope {slope:.4f}) over ln({hi}/{lo}) = {smallest_growth:.4f}. "
            f"Holm over the {len(decl.claims)} claims as for the primary statistic. Figure: "
-           "contrasts.png.", ""]
+           "contrasts.png (seeds with a diverged run left out). "
+           + report.diverged_note(decl, diverged), ""]
   lines += verdicts.lines(results, smallest_growth, decl.power)
   for rule in raw.get("validity") or []:
     lines += validity_lines(runs, rule)

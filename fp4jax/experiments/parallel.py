@@ -42,9 +42,11 @@ def slots(parallel, cpus_per_run, cores=None) -> list:
     return [None]
   count = parallel or max(1, len(cores) // cpus_per_run)
   if count * cpus_per_run > len(cores):
+    asked = (f"config.ablation.parallel={count} x cpus_per_run={cpus_per_run}" if parallel
+             else f"config.ablation.cpus_per_run={cpus_per_run}")
     raise errors.UserError(
-        f"config.ablation.parallel={count} x cpus_per_run={cpus_per_run} needs "
-        f"{count * cpus_per_run} cores; this process has {len(cores)} ({cores})")
+        f"{asked} needs {count * cpus_per_run} cores; this process has {len(cores)} "
+        f"({cores}): ask for fewer (cpus_per_run=0: one run at a time on every core)")
   return [tuple(cores[i * cpus_per_run:(i + 1) * cpus_per_run]) for i in range(count)]
 
 

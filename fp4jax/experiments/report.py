@@ -5,8 +5,10 @@
 target, overhead, divergence, paired against the baseline of the same seed);
 `write_report` writes table.md and the figures of fp4jax.experiments.figures;
 the verdicts follow the study's declaration (fp4jax.experiments.declaration;
-default WORKDIR/DECLARATION.json), flagged EXPLORATORY when it was not
-recorded before the first run or changed since.
+default WORKDIR/DECLARATION.json, the study folder's own), flagged
+EXPLORATORY when it was not recorded before the first run or changed since.
+`diverged_runs` names the runs that diverged; they count in the verdicts by
+the declaration's rule (`diverged_note` says which, and names them).
 
 `python -m fp4jax.experiments.report WORKDIR [--target=LOSS] [--target_at=F]
 [--declaration=PATH]` redraws them from whatever runs have finished (or are
@@ -338,9 +340,37 @@ def _agree(a, b) -> str:
   return "yes" if same else "NO"
 
 
+def diverged_runs(runs) -> dict:
+  """{(recipe, seed): what happened} of the runs that diverged: a non-finite
+  validation loss, or stopped by the trainer on non-finite steps."""
+  out = {}
+  for recipe, rs in runs.items():
+    for run in rs:
+      bad = next((row for row in run.rows if row.get("eval_loss") is not None
+                  and not math.isfinite(row["eval_loss"])), None)
+      if bad is not None:
+        out[(recipe, run.seed)] = f"validation loss {bad['eval_loss']} at step {bad['step']}"
+      elif run.status == "diverged":
+        out[(recipe, run.seed)] = "stopped by the trainer on non-finite steps"
+  return out
+
+
+def diverged_note(decl, diverged) -> str:
+  """The sentence of a verdicts' paragraph: the declaration's rule for
+  diverged runs ({(recipe, seed): what happened}) and those runs."""
+  default = " (the default)" if decl.diverged == declaration_lib.DIVERGED_DEFAULT else ""
+  runs = ", ".join(f"{r} seed {s} ({why})" for (r, s), why in sorted(
+      diverged.items(), key=str)) or "none"
+  return (f"Diverged runs (a non-finite validation loss, or stopped by the trainer on "
+          f"non-finite steps) count by the declaration's rule `diverged: {decl.diverged}`"
+          f"{default}: {declaration_lib.DIVERGED[decl.diverged]}. Diverged: {runs}.")
+
+
 def estimates_section(runs, baseline="fp8", late_from=0.5):
-  """Markdown: per recipe, paired loss differences and token multipliers vs the baseline."""
+  """Markdown: per recipe, paired loss differences and token multipliers vs the
+  baseline; pairs with a diverged run are left out (and counted)."""
   base = {r.seed: r for r in runs.get(baseline, [])}
+  diverged = diverged_runs(runs)
   ses = [_final_eval(r).get("eval_loss_se") for rs in runs.values() for r in rs if _final_eval(r)]
   ses = [x for x in ses if x is not None]
   lines = ["", f"Paired estimates against `{baseline}` (same seed: same data order and "
@@ -366,6 +396,11 @@ def estimates_section(runs, baseline="fp8", late_from=0.5):
       continue
     pairs = [(r, base[r.seed]) for r in rs if r.seed in base and r.loss_T.size
              and base[r.seed].loss_T.size]
+    ran = len(pairs)
+    pairs = [(r, b) for r, b in pairs
+             if (r.recipe, r.seed) not in diverged and (b.recipe, b.seed) not in diverged]
+    shown = f"{ran}" if ran == len(pairs) else (
+        f"{len(pairs)} (+{ran - len(pairs)} with a diverged run)")
     late = stats.t_interval([stats.late_mean(r.tokens_T, r.loss_T, late_from)
                              - stats.late_mean(b.tokens_T, b.loss_T, late_from) for r, b in pairs])
     deltas = stats.t_interval([r.final_loss - b.final_loss for r, b in pairs])
@@ -376,7 +411,7 @@ def estimates_section(runs, baseline="fp8", late_from=0.5):
     extra = " / ".join(f"{sum(m.extrapolated for m in ms)}/{sum(m.points for m in ms)}"
                        for ms in mults.values())
     paired = [x for x in (_paired_eval_se(r, b) for r, b in pairs) if x is not None]
-    lines.append(f"| {recipe} | {len(pairs)} | {late} | {deltas} | {_interval_text(mono)} | "
+    lines.append(f"| {recipe} | {shown} | {late} | {deltas} | {_interval_text(mono)} | "
                  f"{_interval_text(power)} | {_agree(mono, power)} | {extra} | "
                  + (f"{np.mean(paired):.4f}" if paired else "-") + " |")
   return lines
@@ -475,15 +510,17 @@ def verdict_section(runs, decl, workdir):
                     "declaration was recorded when the first run began)."}[state]
   base = runs.get(decl.baseline) or []
   slope, smallest = smallest_effect(runs, decl)
+  evaluated = {rc: [r for r in rs if r.loss_T.size] for rc, rs in runs.items()}
   if decl.primary == "late_mean":
     primary = {rc: {r.seed: stats.late_mean(r.tokens_T, r.loss_T, decl.late_from) for r in rs}
-               for rc, rs in runs.items()}
+               for rc, rs in evaluated.items() if rs}
     what = (f"the per-seed mean over the evaluations in the last {1 - decl.late_from:.0%} of "
             "training of the contrast of validation losses")
   else:
-    primary = {rc: {r.seed: r.final_loss for r in rs} for rc, rs in runs.items()}
+    primary = {rc: {r.seed: r.final_loss for r in rs} for rc, rs in evaluated.items() if rs}
     what = "the per-seed contrast of final validation losses"
-  results = verdicts.evaluate(decl, primary, smallest)
+  diverged = diverged_runs(runs)
+  results = verdicts.evaluate(decl, primary, smallest, set(diverged))
   return ["", f"Verdicts by the declaration `{os.path.basename(decl.path)}` of study "
           f"`{decl.study}`. {head} Primary statistic: {what}. Smallest effect of interest: "
           f"{decl.smallest_effect_tokens:.0%} more tokens = {smallest:.4f} nats through "
@@ -495,7 +532,8 @@ def verdict_section(runs, decl, workdir):
           "effect; '!= 0' supported when it excludes 0, contradicted inside ± the smallest "
           "effect. Sign-flip p: exact over all sign patterns of the seeds (unadjusted). MDE: "
           f"the true effect found with {decl.power:.0%} power at the claim's level, taking the "
-          "observed spread as the true one.", ""] + verdicts.lines(results, smallest, decl.power)
+          "observed spread as the true one. " + diverged_note(decl, diverged), ""
+          ] + verdicts.lines(results, smallest, decl.power)
 
 
 def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_loss=None,
@@ -574,6 +612,21 @@ def main(argv):
   return 0
 
 
+def _study_declaration(workdir, recorded):
+  """The declaration a study folder's report reads: its own DECLARATION.json
+  when it has one (a folder moved or copied keeps it), else the path its
+  ablation_config.json records (None: none)."""
+  own = os.path.join(workdir, "DECLARATION.json")
+  if os.path.exists(own) or not recorded:
+    return own if os.path.exists(own) else None
+  if not os.path.exists(recorded):
+    raise errors.UserError(
+        f"{os.path.join(workdir, study_config.RECORD)} names the declaration {recorded!r} "
+        f"(a path from where the study's first run started), not found from here, and "
+        f"{workdir!r} holds no DECLARATION.json; give --declaration=PATH")
+  return recorded
+
+
 def _redraw(workdir, opts):
   if not os.path.isdir(workdir):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
@@ -590,7 +643,7 @@ def _redraw(workdir, opts):
       target=None if target is None else float(target),
       diverge_loss=ab.get("diverge_loss"), zoom=ab.get("zoom", 0.5),
       late_from=ab.get("late_from", 0.5),
-      declaration=opts.get("declaration", ab.get("declaration")) or None,
+      declaration=opts.get("declaration") or _study_declaration(workdir, ab.get("declaration")),
       window=diag.get("window") if diag.get("enabled") else None,
       target_at=float(opts.get("target_at", ab.get("target_at", 1.0))))
   with open(os.path.join(workdir, "table.md")) as f:

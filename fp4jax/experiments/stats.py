@@ -100,7 +100,7 @@ class BaselineCurve:
     keep = np.isfinite(loss_T) & (tokens_T > 0)
     tokens_T, loss_T = tokens_T[keep], loss_T[keep]
     tokens_P, loss_P = monotone_decreasing(tokens_T, loss_T)
-    late = tokens_T >= late_from * tokens_T[-1]
+    late = tokens_T >= late_from * tokens_T.max(initial=0.0)  # increasing: the last
     log_fit = None
     if late.sum() >= 2:
       b, a = np.polyfit(np.log(tokens_T[late]), loss_T[late], 1)
@@ -108,7 +108,10 @@ class BaselineCurve:
     return cls(tokens_P, loss_P, log_fit)
 
   def tokens_for(self, loss):
-    """(tokens, extrapolated?) at which the baseline reaches `loss` (nan: never)."""
+    """(tokens, extrapolated?) at which the baseline reaches `loss` (nan: never
+    or no evaluation after the first token)."""
+    if not self.loss_P.size:
+      return math.nan, False
     if loss >= self.loss_P[0]:
       return float(self.tokens_P[0]), False
     if loss >= self.loss_P[-1]:
@@ -137,9 +140,9 @@ class PowerLawCurve:
     del late_from  # the whole curve fixes the three parameters
     tokens_T, loss_T = np.asarray(tokens_T, np.float64), np.asarray(loss_T, np.float64)
     keep = np.isfinite(loss_T) & (tokens_T > 0)
-    t, l = tokens_T[keep] / tokens_T[keep][-1], loss_T[keep]  # t in (0, 1]: A = excess at the end
-    if t.size < 3:
+    if keep.sum() < 3:
       return cls(math.nan, math.nan, math.nan, math.nan)
+    t, l = tokens_T[keep] / tokens_T[keep][-1], loss_T[keep]  # t in (0, 1]: A = excess at the end
 
     def resid(p):
       return p[0] + np.exp(p[1]) * t ** -p[2] - l
@@ -178,7 +181,8 @@ def token_multiplier(tokens_T, loss_T, base_tokens_T, base_loss_T, late_from=0.5
   """Recipe tokens / baseline tokens for the same loss, over evaluations at tokens >= late_from * last.
 
   The geometric mean of the per-evaluation ratios; nan when the recipe has a
-  non-finite loss in that part (it diverged) or no point can be inverted.
+  non-finite loss in that part (it diverged) or no point can be inverted
+  (evaluations at 0 tokens have no ratio).
   curve: how the baseline is read, BaselineCurve (default: monotone) or
   PowerLawCurve (parametric).
   """
@@ -190,7 +194,7 @@ def token_multiplier(tokens_T, loss_T, base_tokens_T, base_loss_T, late_from=0.5
   logs, extrapolated = [], 0
   for t, l in zip(tokens_T[late], loss_T[late]):
     b, extra = base.tokens_for(l)
-    if math.isfinite(b) and b > 0:
+    if t > 0 and math.isfinite(b) and b > 0:
       logs.append(math.log(t / b))
       extrapolated += extra
   if not logs:
@@ -213,12 +217,18 @@ def late_mean(tokens_T, loss_T, late_from=0.5) -> float:
   return float(loss_T[tokens_T >= late_from * tokens_T[-1]].mean())
 
 
-def contrast_values(contrast, final_loss) -> list:
-  """Per-seed values of `contrast` (its .weights {recipe: w}); final_loss: {recipe: {seed: value}}.
-
-  Only seeds where every recipe of the contrast ran; a missing recipe -> [].
-  """
+def contrast_seeds(contrast, final_loss) -> list:
+  """The seeds (sorted) where every recipe of `contrast` ran; [] when one has no runs."""
   if any(r not in final_loss for r in contrast.weights):
     return []
-  seeds = set.intersection(*(set(final_loss[r]) for r in contrast.weights))
-  return [sum(w * final_loss[r][s] for r, w in contrast.weights.items()) for s in sorted(seeds)]
+  return sorted(set.intersection(*(set(final_loss[r]) for r in contrast.weights)))
+
+
+def contrast_values(contrast, final_loss, seeds=None) -> list:
+  """Per-seed values of `contrast` (its .weights {recipe: w}); final_loss: {recipe: {seed: value}}.
+
+  On `seeds` (default: contrast_seeds, where every recipe of the contrast
+  ran; a missing recipe -> []).
+  """
+  seeds = contrast_seeds(contrast, final_loss) if seeds is None else seeds
+  return [sum(w * final_loss[r][s] for r, w in contrast.weights.items()) for s in seeds]

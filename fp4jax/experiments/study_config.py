@@ -12,7 +12,9 @@ side has (a key added to fp4jax since the study ran).
 
 `beside(folder, config)` names where a rerun with another config puts its
 runs instead (FOLDER/config-<hash of the config>/), leaving the old ones as
-they are.
+they are. `runs_begun(folder)` names the runs that began in a study folder:
+a record no run began under (an earlier start stopped before its first run)
+may be removed by hand, as the refusal says.
 """
 
 import hashlib
@@ -88,3 +90,13 @@ def beside(folder, config):
   text = json.dumps(_plain(config), sort_keys=True)
   return os.path.join(folder, "config-" + hashlib.sha256(
       text.encode()).hexdigest()[:8])
+
+
+def runs_begun(folder) -> list:
+  """The subfolders of `folder` where a run began (they hold a run's records
+  or checkpoints), sorted; [] when there is no such folder."""
+  if not os.path.isdir(folder):
+    return []
+  marks = run_layout.RECORDS + (run_layout.CHECKPOINTS,)
+  return sorted(name for name in os.listdir(folder)
+                if any(os.path.exists(os.path.join(folder, name, m)) for m in marks))

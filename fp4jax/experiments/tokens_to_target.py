@@ -58,7 +58,9 @@ def tokens_to_target(tokens_T, loss_T, target, diverge_above=None) -> Outcome:
 
 
 def overhead(tokens, baseline_tokens) -> float | None:
-  """Extra tokens relative to the baseline: tokens / baseline - 1 (None if unknown)."""
-  if tokens is None or baseline_tokens is None or not math.isfinite(tokens):
+  """Extra tokens relative to the baseline: tokens / baseline - 1 (None if
+  unknown, or the baseline was at the target before its first token)."""
+  if tokens is None or baseline_tokens is None or not math.isfinite(tokens) or (
+      baseline_tokens <= 0):
     return None
   return tokens / baseline_tokens - 1.0
