@@ -15,4 +15,5 @@ report            table.md and figures, read back from the run folders
 figures           the figures: validation curves, quantization-error diagnostics
 horizon           E1's statistics beyond the primary, and the stress screen (E2)
 sizing            seeds for a study from the spreads of one that ran
+trend             a contrast against model size over a study's widths, and its value at 8B
 """
