@@ -19,7 +19,6 @@ import pytest
 from fp4jax.numerics import elements
 from fp4jax.numerics import formats
 from fp4jax.numerics import hadamard
-from fp4jax.kernels import gemm
 from fp4jax.kernels import quantize as kq
 from tests.cuda_lowering import lower_for_cuda
 from tests.helpers import jaxpr_equations
@@ -245,9 +244,6 @@ def test_rejects_what_the_reference_rejects():
     kq.fake_quantize(x, formats.QuantSpec("mxfp4"), hadamard_block=32)
   with pytest.raises(ValueError, match="needs random_bits"):
     kq.fake_quantize(x, formats.QuantSpec("mxfp4", rounding="stochastic"))
-  codes, scales = jnp.zeros((8, 24), jnp.uint8), jnp.ones((8, 2), jnp.float8_e8m0fnu)
-  with pytest.raises(ValueError, match="do not match"):
-    gemm.matmul_packed(codes, scales, codes[:, :8], scales)
 
 
 def _lowered_for(platform, fn, *args):
@@ -289,35 +285,6 @@ def test_lowers_to_triton_for_cuda(axis, rounding):
   assert "stablehlo.transpose" not in text
 
 
-def test_packed_gemm_lowers_to_triton_for_cuda():
-  """K = 14336 (the FFN width): full-K blocks of 7168 bytes, 128-wide slabs."""
-  s = jax.ShapeDtypeStruct
-  args = (s((256, 7168), jnp.uint8), s((256, 448), jnp.float8_e8m0fnu),
-          s((512, 7168), jnp.uint8), s((512, 448), jnp.float8_e8m0fnu))
-  fn = functools.partial(gemm.matmul_packed, interpret=False)
-  text = lower_for_cuda(fn, *args)
-  assert text.count("xla.gpu.triton") == 1
-
-
-def test_packed_gemm_is_dequantize_then_dot():
-  """quantize_packed + matmul_packed == dequantize-then-dot (f32 accumulation).
-
-  K = 224: seven 32-wide K slabs; M, N below one 64 tile; a NaN block.
-  """
-  spec = formats.QuantSpec("mxfp4")
-  lhs = jax.random.normal(jax.random.key(0), (40, 224)).at[3, 100].set(jnp.nan)
-  rhs = jax.random.normal(jax.random.key(1), (24, 224)) * 1e3
-  got = gemm.matmul_packed(*kq.quantize_packed(lhs, spec, -1), *kq.quantize_packed(rhs, spec, -1))
-  want = jax.jit(lambda a, b: jnp.einsum(
-      "mk,nk->mn", formats.fake_quantize(a, spec, -1).astype(jnp.bfloat16),
-      formats.fake_quantize(b, spec, -1).astype(jnp.bfloat16),
-      preferred_element_type=jnp.float32))(lhs, rhs)
-  assert got.shape == (40, 24) and got.dtype == jnp.float32
-  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-  assert np.isnan(got[3]).all() and not np.isnan(got[:3]).any()
-  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.parametrize("shape,axis", [((2, 2), -1), ((40, 6), -1), ((24, 80), -1),
                                         ((80, 24), 0), ((3, 30, 5), 1)])
 def test_kernels_read_and_write_whole_tiles(shape, axis):
@@ -330,11 +297,7 @@ def test_kernels_read_and_write_whole_tiles(shape, axis):
   calls = [(lambda x: kq.quantize_packed(x, spec, axis), (x,)),
            (lambda x, b: kq.quantize_packed(x, sr, axis, random_bits=b), (x, bits)),
            (lambda x: kq.fake_quantize(x, spec, axis), (x,))]
-  if len(shape) == 2:  # the packed GEMM of [shape[0], K] by [shape[1], K]
-    k = 96
-    operands = [s((rows, k // 2), jnp.uint8) for rows in shape]
-    scales = [s((rows, k // 32), jnp.float8_e8m0fnu) for rows in shape]
-    calls.append((gemm.matmul_packed, (operands[0], scales[0], operands[1], scales[1])))
+  calls.append((lambda x: kq.quantize_fp8(x, spec, axis), (x,)))
   for fn, args in calls:
     eqns = [e for e in jaxpr_equations(jax.make_jaxpr(fn)(*args).jaxpr)
             if e.primitive.name == "pallas_call"]

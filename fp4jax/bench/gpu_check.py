@@ -14,7 +14,7 @@ STAGE:
             backend the check runs (fp4jax.bench.gpu_plan.train_backends: all
             but `native`), at the 8B MLP shape (16384, 4096, 14336) and the
             attention shape (16384, 4096, 4096); the forward GEMM alone,
-            bf16 against the packed-MXFP4 Pallas GEMM; the optimized HLO of
+            bf16 against MXFP4 on the Hopper FP8 GEMM; the optimized HLO of
             every variant goes to DIR/hlo/ and its kernel count to the table
   native    the linear layer (the first shape) on the `native` backend for
             mxfp8, mxfp4 and nvfp4, each on its own route and forced through

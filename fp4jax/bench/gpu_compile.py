@@ -236,8 +236,9 @@ def linear_rows(mesh, sass, arms=LINEAR_ARMS):
 
 
 def kernel_rows(mesh, sass):
-  """Every kernel of fp4jax.kernels as the pallas backend (and the packed GEMM) call it."""
-  from fp4jax.kernels import gemm, quantize as kq  # pylint: disable=g-import-not-at-top
+  """Every Triton kernel of fp4jax.kernels as the pallas backend (and, for quantize_fp8,
+  the mosaic backend) call it."""
+  from fp4jax.kernels import quantize as kq  # pylint: disable=g-import-not-at-top
   from fp4jax.numerics import formats  # pylint: disable=g-import-not-at-top
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
@@ -255,10 +256,12 @@ def kernel_rows(mesh, sass):
           label = f"{kernel} axis={axis} h={block or '-'} {rounding}"
           build = lambda call=call, bits=bits: jax.jit(call, out_shardings=replicated).lower(x, bits)
           rows.append(compile_row(Row("kernels", label, "pallas"), build, mesh, sass))
-  codes, scales = arg((M, K // 2), jnp.uint8), arg((M, K // 32), jnp.float8_e8m0fnu)
-  build = lambda: jax.jit(gemm.matmul_packed, out_shardings=replicated).lower(
-      codes, scales, codes, scales)
-  rows.append(compile_row(Row("kernels", "matmul_packed", "pallas"), build, mesh, sass))
+  spec = formats.QuantSpec("mxfp4")
+  for axis in (-1, 0):  # the blocked axis written last: a column tile transposed in the kernel
+    call = lambda x, axis=axis: kq.quantize_fp8(x, spec, axis)
+    build = lambda call=call: jax.jit(call, out_shardings=replicated).lower(x)
+    rows.append(compile_row(Row("kernels", f"quantize_fp8 axis={axis}", "mosaic"), build, mesh,
+                            sass))
   return rows
 
 

@@ -24,8 +24,9 @@ written: a quantize reads 2 B/element and writes 0.5 B of packed E2M1 plus
                       plain bf16 lax.dot_general (GPU default M,K,N =
                       16384,4096,14336; CPU 1024,1024,1024); TFLOP/s counts
                       the three GEMMs' 6MKN flops
-  gemm fwd only       (GPU) Y = X W alone: bf16 vs kernels.gemm.matmul_packed
-                      on operands quantized beforehand
+  gemm fwd only       (GPU) Y = X W alone: bf16 vs kernels.hopper_gemm.matmul
+                      (the `mosaic` backend's Hopper FP8 GEMM) on MXFP4
+                      operands quantized beforehand
 """
 
 import argparse
@@ -44,7 +45,7 @@ from fp4jax.numerics import hadamard
 from fp4jax.bench import hlo_stats
 from fp4jax.bench import choice_list, positive_int
 from fp4jax.bench.dot_general import fwd_bwd
-from fp4jax.kernels import gemm
+from fp4jax.kernels import hopper_gemm
 from fp4jax.kernels import quantize as kq
 
 MXFP4 = formats.QuantSpec("mxfp4")
@@ -110,22 +111,25 @@ def linear_variants(recipe_names, backends):
   return {name: fwd_bwd(f) for name, f in out.items()}
 
 
-def _packed(x):
-  """(codes, scales) of x quantized along its last axis by the XLA reference."""
+def _fp8_operand(x):
+  """x [rows, K] MXFP4-quantized along K as hopper_gemm reads it: (E2M1 values as
+  float8_e4m3fn [rows, K], float32 block scales [K / 32, rows])."""
   q = formats.quantize(x, MXFP4, -1)
-  return formats.pack_fp4(q.values, -1), q.scales
+  return q.values.astype(jnp.float8_e4m3fn), q.scales.astype(jnp.float32).T
 
 
 def gemm_variants(x, w):
-  """Forward GEMM alone: bf16 operands vs packed MXFP4 operands (quantized once).
+  """Forward GEMM alone: bf16 operands vs MXFP4 operands (quantized once) on the
+  Hopper FP8 GEMM (needs jax >= 0.12 and a Hopper GPU; elsewhere its row is an error).
 
   Returns (name -> jitted fn, name -> args).
   """
-  a, b = _packed(x), _packed(w.T)
+  (av, asc), (bv, bsc) = _fp8_operand(x), _fp8_operand(w.T)
   fns = {"gemm fwd only, bf16": jax.jit(
              lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
-         "gemm fwd only, packed mxfp4 (pallas)": gemm.matmul_packed}
-  args = {"gemm fwd only, bf16": (x, w), "gemm fwd only, packed mxfp4 (pallas)": a + b}
+         "gemm fwd only, mxfp4 (mosaic)": jax.jit(
+             lambda av, bv, asc, bsc: hopper_gemm.matmul(av, bv, asc, bsc))}
+  args = {"gemm fwd only, bf16": (x, w), "gemm fwd only, mxfp4 (mosaic)": (av, bv, asc, bsc)}
   return fns, args
 
 
@@ -194,7 +198,7 @@ def linear_inputs(m, k, n):
 def linear_rows(shape, recipe_names, backends, repeats, gemm_only=False, hlo_dir=None):
   """One dict per fwd+bwd variant of the [M,K] x [K,N] layer: name, ms,
   vs_bf16, TFLOP/s (the three GEMMs' 6MKN flops over the time), kernels,
-  gemms (hlo_stats.gemm_summary: block-scaled or plain); or name, error. gemm_only adds the forward GEMM alone (bf16 vs packed;
+  gemms (hlo_stats.gemm_summary: block-scaled or plain); or name, error. gemm_only adds the forward GEMM alone (bf16 vs the Hopper FP8 GEMM;
   vs_bf16 of those two is against the bf16 forward GEMM).
   hlo_dir: write each variant's optimized HLO there (for a missed goal).
   """
