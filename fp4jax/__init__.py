@@ -8,7 +8,7 @@ Public names (see README.md):
     flax.DotGeneral                                                   (flax adapters)
 
 Modules: numerics/ (formats, scales, rounding, Hadamard), recipes, dot (the
-quantized dot_general), backends/ (xla, pallas, native) and kernels, flax
+quantized dot_general), backends/ (xla, pallas, native, mosaic) and kernels, flax
 (adapters), residuals (quantized residuals), fprop_operands (a layer's Fprop
 operands outside a forward), diagnostics (per-role error statistics),
 schedule (precision that changes during a run), sharding (mesh and axis
