@@ -186,3 +186,21 @@ def test_the_report_on_runs_of_one_row(tmp_path, fp8, mxfp4, capsys):
         json.dumps({"step": 1, "tokens": 100, "loss": 5.0}) + "\n")
   assert report.main(["report", workdir]) == 0, capsys.readouterr().err
   assert "| mxfp4 |" in (tmp_path / "table.md").read_text()
+
+
+def test_runs_with_diagnostics_stay_unscanned_on_gpus(monkeypatch):
+  """The trainer scans on GPUs when model.scan_layers is unset; diagnostics
+  read per-block paths, so the ablation's runs with diagnostics are unscanned."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
+  from fp4jax.train import config as train_config  # pylint: disable=g-import-not-at-top
+  config = train_config.base_config()
+  config.ablation = ablation.ablation_config()
+  config.diagnostics = ablation.diagnostics_config()
+  tokenizer = tokenizers.make_tokenizer(config.data.tokenizer)
+  scanned = lambda c: train_config.resolve(c, tokenizer)[0].scan_layers
+  assert ablation.run_config(config, "fp8", 0).model.scan_layers is None  # the CPU: as given
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not scanned(ablation.run_config(config, "fp8", 0))
+  config.diagnostics.enabled = False
+  assert scanned(ablation.run_config(config, "fp8", 0))

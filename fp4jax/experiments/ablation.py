@@ -174,6 +174,7 @@ def run_config(config, recipe, seed) -> ml_collections.ConfigDict:
   """The trainer config of one run: `config` without the ablation's own blocks.
 
   recipe: a preset name or an arms.Arm (its preset and overrides on config.quant).
+  With diagnostics on, blocks stay unscanned on GPUs (the trainer scans there by default).
   """
   cfg = copy.deepcopy(config)
   with cfg.unlocked():
@@ -186,6 +187,9 @@ def run_config(config, recipe, seed) -> ml_collections.ConfigDict:
     cfg.quant.name = recipe
   cfg.seed = seed
   cfg.target_eval_loss = None
+  if (config.diagnostics.enabled and cfg.model.get("scan_layers") is None
+      and jax.default_backend() == "gpu"):
+    cfg.model.scan_layers = False  # diagnostics read each block's module path
   return cfg
 
 
