@@ -134,6 +134,18 @@ def _log_fallback(name, reason):
   logging.warning("fp4jax: backend %s runs this GEMM on xla: %s", name, reason)
 
 
+def cuda_capability(device):
+  """(major, minor) of an NVIDIA GPU `device`'s compute capability, or the
+  line saying why it has none."""
+  if device.platform != "gpu":
+    return f"platform is {device.platform!r}, not an NVIDIA GPU"
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return f"{device.device_kind} reports no compute capability (not CUDA)"
+  major, _, minor = str(capability).partition(".")
+  return int(major), int(minor.split(".")[0] or 0)
+
+
 def apply_factors(y, *factors):
   """y (float32) times the product of the float32 scalar factors that are not None,
   in the order given: the epilogue every backend shares."""

@@ -42,7 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp4jax.backends import apply_factors
+from fp4jax.backends import apply_factors, cuda_capability
 from fp4jax.kernels import hopper_gemm
 from fp4jax.numerics import formats
 from fp4jax.numerics import operand
@@ -69,13 +69,11 @@ class Operand(NamedTuple):
 def unsupported_device(device=None):
   """Why `device` (default: the first device) is not a Hopper GPU, or None."""
   device = jax.devices()[0] if device is None else device
-  if device.platform != "gpu":
-    return f"platform is {device.platform!r}, not an NVIDIA GPU"
-  capability = getattr(device, "compute_capability", None)
-  if capability is None:
-    return f"{device.device_kind} reports no compute capability (not CUDA)"
-  if int(str(capability).split(".")[0]) != CAPABILITY_MAJOR:
-    return f"{device.device_kind} has compute capability {capability}, not 9.x (Hopper)"
+  capability = cuda_capability(device)
+  if isinstance(capability, str):
+    return capability
+  if capability[0] != CAPABILITY_MAJOR:
+    return f"{device.device_kind} has compute capability {device.compute_capability}, not 9.x (Hopper)"
   return None
 
 

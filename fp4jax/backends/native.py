@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from fp4jax.numerics import formats
 from fp4jax.numerics import operand
-from fp4jax.backends import apply_factors
+from fp4jax.backends import apply_factors, cuda_capability
 
 MIN_CAPABILITY = (10, 0)
 # fp4jax.backends: every operand is quantized in the GEMM's layout (real arrays).
@@ -70,14 +70,11 @@ def unsupported_device(device=None):
   """Why `device` (default: the first device) has no block-scaled FP4 matrix units
   that jax.nn.scaled_matmul reaches (NVIDIA compute capability >= 10), or None."""
   device = jax.devices()[0] if device is None else device
-  if device.platform != "gpu":
-    return f"platform is {device.platform!r}, not an NVIDIA GPU"
-  capability = getattr(device, "compute_capability", None)
-  if capability is None:
-    return f"{device.device_kind} reports no compute capability (not CUDA)"
-  major, minor = (int(part) for part in str(capability).split(".")[:2])
-  if (major, minor) < MIN_CAPABILITY:
-    return (f"{device.device_kind} has compute capability {capability} < "
+  capability = cuda_capability(device)
+  if isinstance(capability, str):
+    return capability
+  if capability < MIN_CAPABILITY:
+    return (f"{device.device_kind} has compute capability {device.compute_capability} < "
             f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: no block-scaled FP4 units")
   return None
 
