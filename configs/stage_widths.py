@@ -39,7 +39,7 @@ ARMS = f"fp8; W=fp8:{_WGRAD_MX}; WH=fp8:{_WGRAD_MX},wgrad.hadamard.block=16; D=m
 WIDTHS = {64: (2, 1, 504), 128: (4, 2, 2000), 192: (6, 3, 4496)}
 # The learning rate of each width, chosen on the fp8 arm by the declared rule
 # before any other arm ran; None until then.
-LEARNING_RATES = {64: 6e-3, 128: None, 192: None}
+LEARNING_RATES = {64: 6e-3, 128: 3e-3, 192: None}
 
 
 def get_config(arg="128"):
