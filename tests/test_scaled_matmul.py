@@ -69,8 +69,14 @@ def test_rceil_matches_jax_mxfp4_quantizer(kind, dtype):
   x = jnp.asarray(_inputs()[kind], jnp.float32).astype(dtype)
   values, scales = _jax_block_quantize()(x)
   q = _quantize(x)
-  np.testing.assert_array_equal(np.asarray(q.values.view(jnp.uint8)),
-                                np.asarray(values.view(jnp.uint8)))
+  ours, theirs = np.asarray(q.values.view(jnp.uint8)), np.asarray(values.view(jnp.uint8))
+  # jax 0.12.1 writes -0 (E2M1 code 8) for the +0 inputs of an all-zero block
+  # (0.12.0 wrote +0, as fp4jax does): there the values must be zeros, equal as
+  # numbers; every other byte bit for bit.
+  zero_pairs = np.repeat(np.all(np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32) == 0,
+                                axis=-1), 16, axis=-1)
+  np.testing.assert_array_equal(np.where(zero_pairs, 0, ours), np.where(zero_pairs, 0, theirs))
+  assert not ours[zero_pairs].any() and np.all(theirs[zero_pairs] & 0x77 == 0)
   np.testing.assert_array_equal(np.asarray(q.scales.view(jnp.uint8)),
                                 np.asarray(scales.view(jnp.uint8)))
 
