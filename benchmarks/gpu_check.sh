@@ -120,7 +120,7 @@ else
   export JAX_PLATFORMS=cuda
   TINY=
   SCALE=1
-  # test_kernels first (the kernels' fixes), the Hopper GEMM's (they skip on jax < 0.12),
+  # test_kernels first (the kernels' fixes), the Hopper GEMM's (they skip on jax < 0.11),
   # then the backends' agreement with xla (test_kernels, test_backends and test_dot's
   # did not fit 150 s on an H200).
   TESTS=(tests/test_kernels.py tests/test_hopper_gemm.py

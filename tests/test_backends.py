@@ -93,8 +93,8 @@ def test_native_is_refused_on_old_jax(monkeypatch):
 
 
 def test_mosaic_is_refused_on_old_jax(monkeypatch):
-  monkeypatch.setattr(backends, "jax_version", lambda: (0, 11, 2))
-  with pytest.raises(ValueError, match=r"backend 'mosaic' needs jax >= 0.12 \(Pallas Mosaic GPU"):
+  monkeypatch.setattr(backends, "jax_version", lambda: (0, 10, 2))
+  with pytest.raises(ValueError, match=r"backend 'mosaic' needs jax >= 0.11 \(Pallas Mosaic GPU"):
     dot.dot_general(dataclasses.replace(recipes.recipe("mxfp4"), backend="mosaic"))
 
 

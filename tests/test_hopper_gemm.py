@@ -1,6 +1,6 @@
 """fp4jax.kernels.hopper_gemm and the `mosaic` backend on the CPU.
 
-The kernel runs in jax's Mosaic GPU interpreter (jax >= 0.12; the tests skip,
+The kernel runs in jax's Mosaic GPU interpreter (jax >= 0.11; the tests skip,
 naming the installed jax, before that). What is asserted:
 - the interpreted kernel equals its jnp reference (block partials summed in K
   order) bit for bit, scaled E2M1 and unscaled E4M3 x E5M2, on shapes that tile

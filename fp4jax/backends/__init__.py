@@ -36,7 +36,7 @@ one block-scaled GEMM, jax.nn.scaled_matmul or lax.scaled_dot by format;
 needs jax >= 0.11) and `mosaic` (FP8 values, E2M1 held as E4M3, into
 fp4jax.kernels.hopper_gemm, a Pallas Mosaic GPU kernel for Hopper's FP8
 tensor cores that scales each 32-element block's partial product; needs
-jax >= 0.12). A new backend is one module here plus its name in NAMES.
+jax >= 0.11, picked by `auto` on jax >= 0.12). A new backend is one module here plus its name in NAMES.
 
 `resolve(name)` turns "auto" into a backend name for the default device;
 `for_gemm(name, gemm)` returns the module that runs a GEMM; `check_recipe`
@@ -53,7 +53,11 @@ import jax.numpy as jnp
 
 NAMES = ("xla", "pallas", "native", "mosaic")
 # Oldest jax a backend runs on (default: the project's floor), and what it needs there.
-MIN_JAX = {"native": (0, 11), "mosaic": (0, 12)}
+MIN_JAX = {"native": (0, 11), "mosaic": (0, 11)}
+# Oldest jax `auto` picks a backend on: mosaic's SASS (QGMMA) was read deviceless on
+# jax 0.12.1; on 0.11.2 it compiles deviceless to Mosaic GPU GEMMs on FP8 operands
+# and equals its interpreter, but that jax's executables hold no SASS to read.
+AUTO_MIN_JAX = {"native": (0, 11), "mosaic": (0, 12)}
 _NEEDS = {"native": "jax.nn.scaled_matmul with a CPU lowering",
           "mosaic": "Pallas Mosaic GPU with mixed E4M3 x E5M2 wgmma"}
 # The native backend's GEMM op per route ("auto": by format, native.route_for).
@@ -101,15 +105,15 @@ def module(name: str):
 def resolve(name: str) -> str:
   """`name`, or for "auto" the backend for the default device: `native` on NVIDIA
   GPUs with block-scaled matrix units (compute capability >= 10; jax >= 0.11),
-  `mosaic` on Hopper (compute capability 9.x; jax >= 0.12), `pallas` on other
+  `mosaic` on Hopper (compute capability 9.x; jax >= 0.12, AUTO_MIN_JAX), `pallas` on other
   GPUs, `xla` elsewhere. Logs an "auto" decision once."""
   if name != "auto":
     return name
   reasons = []
   for candidate in ("native", "mosaic"):
     reason = module(candidate).unsupported_device()
-    if reason is None and jax_version() < MIN_JAX[candidate]:
-      reason = f"jax {jax.__version__} < {'.'.join(map(str, MIN_JAX[candidate]))}"
+    if reason is None and jax_version() < AUTO_MIN_JAX[candidate]:
+      reason = f"jax {jax.__version__} < {'.'.join(map(str, AUTO_MIN_JAX[candidate]))}"
     if reason is None:
       logging.info("fp4jax: backend auto -> %s", candidate)
       return candidate

@@ -30,7 +30,7 @@ with the same block (16 or 32) of 1D amax-scaled blocks. Others (an unquantized
 operand, 2D weight tiles such as NVFP4's, QuEST or Four over Six scales) run on
 xla (fp4jax.backends.for_gemm). On a CPU the same program runs the kernel's
 jnp reference (fp4jax.kernels.hopper_gemm.reference, bit for bit the kernel's
-sums); on CUDA the compiled kernel. Needs jax >= 0.12 (fp4jax.backends.MIN_JAX).
+sums); on CUDA the compiled kernel. Needs jax >= 0.11; `auto` picks it on jax >= 0.12 (fp4jax.backends.MIN_JAX, AUTO_MIN_JAX).
 
 `unsupported_device()` says why a device is not a Hopper GPU (what backend
 "auto" asks before it picks this backend).

@@ -50,7 +50,7 @@ BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block sc
 TILE = (64, 128)  # [tile_m, tile_n] of one compute warpgroup
 STEP_BLOCKS = 2  # blocks per pipeline step: one block's scaling overlaps the next's wgmma
 STAGES = 4  # shared-memory slots of the TMA pipeline
-MIN_JAX = (0, 12)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
+MIN_JAX = (0, 11)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
 
