@@ -187,7 +187,7 @@ def _add_sass(row, compiled):
       return
     seen = {}
     for g in row.gemms:
-      name = (g["kernel"] or "").replace(".", "_")
+      name = (g["kernel"] or "").replace(".", "_").replace("-", "_")  # as the cubin names it
       signature = (g["kind"], tuple(g["operands"]), tuple(g["shape"]), g["kernel_kind"])
       if signature not in seen and name in images:
         seen[signature] = dict(gpu_binary.sass_mma(images[name]))
