@@ -21,6 +21,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ import fp4jax
 from fp4jax import backends
 from fp4jax import checkpointing
 from fp4jax import dot
+from fp4jax import errors
 from fp4jax import recipes
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
@@ -66,16 +68,21 @@ def _interop():
   return torch, transformers, compressed_tensors
 
 
+def _config(**overrides):
+  """The config of `trained`: 2 layers, block 0 kept in bf16, bfloat16 compute."""
+  config = tiny_config(**{"steps": STEPS, "eval_every": STEPS,
+                          "checkpoint_every": STEPS, "dtype": "bfloat16",
+                          "async_checkpointing": False, **overrides})
+  config.model.n_layers = 2
+  config.model.bf16_layers = ("block_0",)
+  return config
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("run"))
-  config = tiny_config(**{"steps": STEPS, "eval_every": STEPS,
-                          "checkpoint_every": STEPS, "dtype": "bfloat16",
-                          "async_checkpointing": False})
-  config.model.n_layers = 2
-  config.model.bf16_layers = ("block_0",)
   with on_first_devices(1):
-    trainer.train(config, run_dir)
+    trainer.train(_config(), run_dir)
   return run_dir
 
 
@@ -659,53 +666,44 @@ def test_calibration_flags_are_refused_where_they_do_not_apply(runs, tmp_path,
     json.dump(config, f)
   w4a4 = ["--quantize", "nvfp4", "--activations", "fp4"]
   nvfp4 = runs["nvfp4"]
-  cli = (  # as a user types them: the command in its own process
-      ([*w4a4, "--calibration_batches", "1000000"],
-       r"--calibration_batches 1000000: the validation set's [\d,]+ tokens "
-       r"\(at most data.val_tokens\) hold ([\d,]+) batches of 8 disjoint "
-       r"windows of seq_len \+ 1 = 33 tokens; give at most \1$"),
-      ([*w4a4, "--calibration_batches", "0"],
+  bound = (r"--calibration_batches 1000000: the validation set's [\d,]+ tokens "
+           r"\(at most data.val_tokens\) hold ([\d,]+) batches of 8 disjoint "
+           r"windows of seq_len \+ 1 = 33 tokens; give at most \1$")
+  # As a user types it: the command in its own process.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  proc = subprocess.run(
+      [sys.executable, "-m", "fp4jax.convert", "export", nvfp4,
+       str(tmp_path / "out"), *w4a4, "--calibration_batches", "1000000"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=240)
+  assert proc.returncode == 2 and not proc.stdout, (proc.stdout, proc.stderr)
+  assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+  match = re.search(bound, proc.stderr.strip())
+  assert match, proc.stderr
+  assert not (tmp_path / "out").exists()
+  for run, args, message in (  # the same checks, in this process
+      (nvfp4, [*w4a4, "--calibration_batches", "0"],
        "--calibration_batches must be >= 1, got 0$"),
-      (["--quantize", "nvfp4", "--calibration_batches", "2"],
+      (nvfp4, ["--quantize", "nvfp4", "--calibration_batches", "2"],
        "--calibration_batches 2 calibrates NVFP4 input scales, so it needs "
        "--quantize nvfp4 with --activations fp4 \\(or --layout modelopt\\); "
        "this export is W4A16 \\(--activations none\\)$"),
-      (["--activations", "fp4"], "--activations 'fp4' needs --quantize "
-       "\\(nvfp4 or mxfp4\\); a dense export quantizes nothing$"))
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "fp4jax.convert", "export", nvfp4,
-       str(tmp_path / f"out{i}"), *args], cwd=root, env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i, (args, _) in enumerate(cli)]
-  matches = []
-  try:
-    for i, (proc, (args, message)) in enumerate(zip(procs, cli)):
-      out, err = proc.communicate(timeout=240)
-      assert proc.returncode == 2 and not out, (args, out, err)
-      assert err.count("\n") == 1 and "Traceback" not in err, (args, err)
-      matches.append(re.search(message, err.strip()))
-      assert matches[-1], (args, err)
-      assert not os.path.exists(tmp_path / f"out{i}"), args
-  finally:
-    for proc in procs:
-      proc.kill()  # a command that did not stop (no-op for those that did)
-      proc.wait()
-  for run, args, message in (  # the same checks, in this process
+      (nvfp4, ["--activations", "fp4"], "--activations 'fp4' needs --quantize "
+       "\\(nvfp4 or mxfp4\\); a dense export quantizes nothing$"),
       (runs["mxfp4-dh16"], ["--quantize", "mxfp4", "--activations", "fp4",
                             "--calibration_batches", "2"],
-       "this export is MXFP4, whose inputs the engine scales itself\n"),
-      (nvfp4, ["--calibration_batches", "2"], "this export is dense\n"),
+       re.escape("this export is MXFP4, whose inputs the engine scales "
+                 "itself") + "$"),
+      (nvfp4, ["--calibration_batches", "2"], "this export is dense$"),
       (rotated, ["--quantize", "nvfp4", "--layout", "modelopt"],
-       "rotates Fprop (Hadamard block 16), which the modelopt layout cannot "
-       "declare")):
+       re.escape("rotates Fprop (Hadamard block 16), which the modelopt "
+                 "layout cannot declare"))):
     assert export.main(["export", run, str(tmp_path / "out"), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1 and re.search(message, err), err
     assert not (tmp_path / "out").exists()
   # The bound: the validation set's batches of disjoint windows.
-  held = int(matches[0].group(1).replace(",", ""))
+  held = int(match.group(1).replace(",", ""))
   data = dict(data_cfg=pipeline.data_config(), seq_len=32, batch_size=8,
               tokenizer=tokenizers.make_tokenizer("bytes"), disjoint=True)
   assert not pipeline.validation_windows(num_batches=held, **data).overlap
@@ -714,8 +712,11 @@ def test_calibration_flags_are_refused_where_they_do_not_apply(runs, tmp_path,
 
 
 # ---------------------------------------------------------------------------
-# What the export and init_from refuse: real files edited on disk, the CLIs
-# run as processes (one CPU device, as a user's laptop).
+# What the export and init_from refuse: real files edited on disk. Each
+# refusal is a one-line UserError (what the CLIs print, exiting with status 2);
+# one case of each CLI runs as a process (one CPU device, as a user's laptop),
+# the others in this process (on one device): what they check is the file, not
+# the process.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # train.py for one step from --config.init_from, with the model of `trained`.
@@ -745,6 +746,35 @@ def _refused(rc, out, *names):
   line = out.strip().splitlines()[-1]
   for name in names:
     assert name in line, (name, out[-3000:])
+
+
+def _refused_in_process(call, *names):
+  """call() raises a UserError of one line naming each of `names` (what the
+  CLIs print before exiting with status 2), and warns no RuntimeWarning."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pytest.raises(errors.UserError) as refused:
+      call()
+  assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [
+      str(w.message) for w in caught]
+  line = str(refused.value)
+  assert "\n" not in line, line
+  for name in names:
+    assert name in line, (name, line)
+
+
+def _init_from_refused(tmp_path, bad, *names, process=False):
+  """A one-step run from config.init_from=`bad` (the model of `trained`) is
+  refused naming config.init_from and `names`; process: as train.py."""
+  if process:
+    rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
+                   f"--config.init_from={bad}")
+    _refused(rc, log, "config.init_from", *names)
+    return
+  with on_first_devices(1):
+    _refused_in_process(lambda: trainer.train(
+        _config(steps=1, init_from=bad), str(tmp_path / "run")),
+                        "config.init_from", *names)
 
 
 def _poke(path, name, raw, index=0):
@@ -778,33 +808,37 @@ def test_weights_with_nan_are_refused_before_anything_is_written(trained,
   shutil.rmtree(state)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(state, tree)
-  for args in ([], ["--quantize", "nvfp4"]):
-    out = tmp_path / "out"
-    rc, log = _cli("-m", "fp4jax.convert", "export", run, str(out), *args)
-    _refused(rc, log, f"the checkpoint at step {STEPS} of {run!r} holds NaN or "
-             "Inf in 1 tensor(s): block_1/mlp/down/kernel", "--step")
-    assert not out.exists() and not (tmp_path / "out.partial").exists()
+  out = tmp_path / "out"
+  names = (f"the checkpoint at step {STEPS} of {run!r} holds NaN or Inf in 1 "
+           "tensor(s): block_1/mlp/down/kernel", "--step")
+  # The dense export in this process, the packed one as the command.
+  _refused_in_process(lambda: export.export(run, str(out)), *names)
+  assert not out.exists() and not (tmp_path / "out.partial").exists()
+  rc, log = _cli("-m", "fp4jax.convert", "export", run, str(out), "--quantize",
+                 "nvfp4")
+  _refused(rc, log, *names)
+  assert not out.exists() and not (tmp_path / "out.partial").exists()
 
 
-@pytest.mark.parametrize("name, tensor, raw, message", [
+@pytest.mark.parametrize("name, tensor, raw, message, process", [
     ("nvfp4", "weight_global_scale", struct.pack("<f", -2.0**20),
-     "is -1048576.0; a per-tensor scale must be positive and finite"),
+     "is -1048576.0; a per-tensor scale must be positive and finite", False),
     ("nvfp4", "weight_global_scale", struct.pack("<f", 0.0),
-     "is 0.0; a per-tensor scale must be positive and finite"),
+     "is 0.0; a per-tensor scale must be positive and finite", False),
+    # As train.py: found as the weights are read, after start-up compiled.
     ("nvfp4", "weight_scale", b"\x7f", "1 of its 256 block scales are "
      "negative or NaN (the first nan at [0, 0]); block scales must be finite "
-     "and >= 0"),
+     "and >= 0", True),
     ("mxfp4-fprop", "weight_scale", b"\xff", "1 of its 128 block scales are "
-     "negative or NaN (the first NaN at [0, 0])")],
+     "negative or NaN (the first NaN at [0, 0])", False)],
     ids=["negative_global", "zero_global", "nan_e4m3_block", "nan_e8m0_block"])
 def test_init_from_refuses_a_packed_scale_that_is_not_positive(
-    exports, tmp_path, name, tensor, raw, message):
+    exports, tmp_path, name, tensor, raw, message, process):
   bad = str(tmp_path / "export")
   shutil.copytree(exports[name][0], bad)
   _poke(os.path.join(bad, "model.safetensors"), f"{DOWN}.{tensor}", raw)
-  rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
-                 f"--config.init_from={bad}")
-  _refused(rc, log, "config.init_from", f"{DOWN}.{tensor}", message)
+  _init_from_refused(tmp_path, bad, f"{DOWN}.{tensor}", message,
+                     process=process)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -826,9 +860,7 @@ def test_init_from_checks_the_declaration_against_the_tensors(
   bad = str(tmp_path / "export")
   shutil.copytree(exports["nvfp4"][0], bad)
   _edited_config(bad, edit)
-  rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
-                 f"--config.init_from={bad}")
-  _refused(rc, log, "config.init_from", message)
+  _init_from_refused(tmp_path, bad, message)
 
 
 def test_init_from_a_modelopt_export_checks_its_file_and_scales(runs, tmp_path):
@@ -847,6 +879,4 @@ def test_init_from_a_modelopt_export_checks_its_file_and_scales(runs, tmp_path):
             struct.pack("<f", -1.0))
       message = (f"tensor '{DOWN}.weight_scale_2' is -1.0; a per-tensor scale "
                  "must be positive and finite")
-    rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / case}_run",
-                   f"--config.init_from={bad}")
-    _refused(rc, log, "config.init_from", message)
+    _init_from_refused(tmp_path / f"{case}_run", bad, message)
