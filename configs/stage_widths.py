@@ -38,8 +38,8 @@ ARMS = f"fp8; W=fp8:{_WGRAD_MX}; WH=fp8:{_WGRAD_MX},wgrad.hadamard.block=16; D=m
 # width: (heads, kv heads, steps)
 WIDTHS = {64: (2, 1, 504), 128: (4, 2, 2000), 192: (6, 3, 4496)}
 # The learning rate of each width, chosen on the fp8 arm by the declared rule
-# before any other arm ran; None until then.
-LEARNING_RATES = {64: 6e-3, 128: 3e-3, 192: None}
+# before any other arm ran (results/stage_widths/lr_sweep/README.md).
+LEARNING_RATES = {64: 6e-3, 128: 3e-3, 192: 7.5e-4}
 
 
 def get_config(arg="128"):
@@ -48,9 +48,6 @@ def get_config(arg="128"):
   if width not in WIDTHS:
     raise ValueError(f"width {width} is not one of {sorted(WIDTHS)}")
   lr = float(lr) if lr else LEARNING_RATES[width]
-  if lr is None:
-    raise ValueError(f"width {width}'s learning rate is not chosen yet: the sweep "
-                     f"(configs/stage_widths.py:{width},lr=X on fp8) chooses it first")
   heads, kv_heads, steps = WIDTHS[width]
   config = load_config_file(os.path.join(os.path.dirname(__file__), "ablation_tiny.py"))
   config.model.dim = width
