@@ -175,6 +175,7 @@ def _assert_same_state(a, b):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_device")
 def test_trainer_switches_logs_and_resumes_bitwise(tmp_path):
   """Threshold 1e9 (every SNR is below): the one block switches at the third
   measurement (step 3) and computes its Wgrad in FP8 from step 4. Steps 1-3

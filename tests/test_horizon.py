@@ -111,6 +111,7 @@ def test_a_constant_schedule_does_not_depend_on_steps_bitwise():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_device")
 def test_steps_raised_on_resume_take_the_same_first_steps_bitwise(tmp_path):
   config = lambda steps: tiny_config(steps=steps, min_lr_ratio=1.0, async_checkpointing=False,
                                      checkpoint_every=8)  # only at the end of each run

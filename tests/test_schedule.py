@@ -52,6 +52,7 @@ def test_bad_entries_fail_naming_the_entry(entries, match):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_device")
 def test_trainer_switches_and_resumes_across_the_switch_bitwise(tmp_path):
   """mxfp4 for steps 1-3, bf16 from step 4 (fraction 0.5 of 6 steps). The
   scheduled run's steps 1-3 equal an mxfp4-only run's and its later ones
