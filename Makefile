@@ -5,6 +5,9 @@
 # and .venv-<name> for any other, so the two never clash. EXTRAS picks the
 # pyproject extras installed (e.g. `make test EXTRAS=test,interop` adds torch
 # and transformers); each set has its own stamp, so a new set installs.
+# --max-worker-restart=0: a test that takes its worker process down ends the run at
+# once, naming the test (pytest-xdist 3.8's loadfile scheduler can wait forever after
+# it replaces a crashed worker).
 PYTHON ?= python3
 VENV ?= .venv$(if $(filter python3,$(PYTHON)),,-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
@@ -25,7 +28,7 @@ train: install
 	$(PY) train.py --config=configs/default.py --workdir=$(WORKDIR)
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 tests
 
 # The numerics, dot_general, recipes and backends (and the layout checks): a few minutes.
 FAST_TESTS := $(addprefix tests/test_,formats.py scales.py element_tables.py numpy_reference.py \
@@ -33,12 +36,12 @@ FAST_TESTS := $(addprefix tests/test_,formats.py scales.py element_tables.py num
   layout.py readme_layout.py configs.py)
 
 test-fast: install
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m "not slow" $(FAST_TESTS)
 
 # fp4jax recipes inside MaxText (Python >= 3.12): its own suite, with the maxtext extra.
 test-maxtext:
 	$(MAKE) install PYTHON=$(PYTHON) EXTRAS=test,maxtext
-	$(PY) -m pytest -q -n 2 tests/test_maxtext.py
+	$(PY) -m pytest -q -n 2 --max-worker-restart=0 tests/test_maxtext.py
 
 # fp4jax's GPU paths through XLA's real GPU compiler for H200 and B200, without a GPU
 # (Python >= 3.12): its own environment, with jax's CUDA plugin (the gpu-compile extra, ~4.4 GB).
@@ -46,7 +49,7 @@ GPU_COMPILE_VENV ?= .venv-gpu-compile
 
 test-gpu-compile:
 	$(MAKE) install PYTHON=$(PYTHON) VENV=$(GPU_COMPILE_VENV) EXTRAS=test,gpu-compile
-	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load tests/test_gpu_compile.py
+	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load --max-worker-restart=0 tests/test_gpu_compile.py
 
 clean:
 	rm -rf .venv .venv-* runs

@@ -30,7 +30,9 @@ import shutil
 import sys
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 
@@ -137,12 +139,27 @@ def leaf_name(path):
                   for k in path)
 
 
+def _shards_finite(x):
+  """Whether every element of jax.Array `x` that this process holds is finite.
+
+  Each shard is checked on its own device (replicas once), so no check is a
+  collective: an all-reduce per tensor, dispatched right after a restore
+  while its host-to-device copies are still pending, can leave one device's
+  participant waiting for a CPU thread until XLA's collective timeout aborts
+  the process (seen with 8 virtual CPU devices on 2 loaded cores)."""
+  return all(bool(jnp.all(jnp.isfinite(shard.data)))
+             for shard in x.addressable_shards if shard.replica_id == 0)
+
+
 def non_finite(params):
   """"" when every array leaf of `params` is finite, else the one-line "holds
-  NaN or Inf in N tensor(s): block_0/mlp/down/kernel, ..." naming them."""
-  finite = jax.device_get(jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), params))
-  bad = [leaf_name(p) for p, ok in jax.tree_util.tree_leaves_with_path(finite)
-         if not ok]
+  NaN or Inf in N tensor(s): block_0/mlp/down/kernel, ..." naming them
+  (every process gets the same answer)."""
+  leaves = jax.tree_util.tree_leaves_with_path(jax.block_until_ready(params))
+  finite = np.array([_shards_finite(x) for _, x in leaves], np.int32)
+  if jax.process_count() > 1:  # a tensor is bad when any process holds a bad shard
+    finite = np.min(multihost_utils.process_allgather(finite), axis=0)
+  bad = [leaf_name(p) for (p, _), ok in zip(leaves, finite) if not ok]
   if not bad:
     return ""
   return (f"holds NaN or Inf in {len(bad)} tensor(s): {', '.join(bad[:4])}"

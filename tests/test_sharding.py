@@ -18,6 +18,7 @@ from fp4jax.data import tokenizers
 from fp4jax.llama import block_check
 from fp4jax.llama import model as model_lib
 from fp4jax.numerics import formats
+from fp4jax import checkpointing
 from fp4jax import recipes
 from fp4jax import sharding
 from fp4jax.train import config as train_config
@@ -308,6 +309,28 @@ def test_single_process_needs_no_coordinator():
   cfg.process_id, cfg.local_device_ids = 0, "0,x"
   with pytest.raises(ValueError, match="local_device_ids='0,x'"):
     sharding.initialize_distributed(cfg)
+
+
+def test_the_finiteness_check_names_a_nan_in_one_shard_and_spans_no_devices(monkeypatch):
+  """checkpointing.non_finite (init_from, export) on parameters sharded over 8
+  devices: a NaN that one device holds and an Inf in a replicated tensor are
+  named, and every check runs on one device (a check spanning devices is a
+  collective, which could wait on a loaded CPU until XLA aborts)."""
+  mesh = _mesh(2, 2, 2)
+  sharded = jax.sharding.NamedSharding(mesh, P(("data", "fsdp", "tensor")))
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  nan_row_13 = np.zeros((16, 4), np.float32)
+  nan_row_13[13, 2] = np.nan
+  params = dict(ok=jax.device_put(np.ones((16, 4), np.float32), sharded),
+                one_shard=jax.device_put(nan_row_13, sharded),
+                replica=jax.device_put(np.array([1.0, np.inf], np.float32), replicated))
+  devices_per_check = []
+  isfinite = jnp.isfinite
+  monkeypatch.setattr(jnp, "isfinite", lambda x: devices_per_check.append(
+      len(x.sharding.device_set)) or isfinite(x))
+  assert checkpointing.non_finite(dict(ok=params["ok"])) == ""
+  assert checkpointing.non_finite(params) == "holds NaN or Inf in 2 tensor(s): one_shard, replica"
+  assert devices_per_check and set(devices_per_check) == {1}
 
 
 # ------------------------------------------------------ sharded training
