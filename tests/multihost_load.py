@@ -8,16 +8,20 @@ Face directory onto an FSDP mesh over all 8 (tests/test_convert.py):
   python tests/multihost_load.py COORDINATOR PROCESS_ID HF_DIR OUT.npz
 
 It saves the blocks its devices hold ("path|start:stop,..." -> array) and,
-under "read|<tensor>", the elements it read of each tensor.
+under "read|<tensor>", the elements it read of each tensor; under
+"non_finite", what checkpointing.non_finite says of the load plus a tensor
+with one NaN, and under "holds_the_nan", whether this process holds it.
 """
 
 import collections
 import sys
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 from safetensors import safe_open
 
+from fp4jax import checkpointing
 from fp4jax.llama import hf as hf_llama
 from fp4jax.llama import model as model_lib
 from fp4jax import sharding
@@ -64,7 +68,8 @@ def main(coordinator, process_id, hf_dir, out):
   cfg = model_lib.LlamaConfig(**fields)
   mesh_cfg = sharding.mesh_config()
   mesh_cfg.update(data=1, fsdp=8)
-  abstract = hf_llama.abstract_params(cfg, sharding.make_mesh(mesh_cfg))
+  abstract_mesh = sharding.make_mesh(mesh_cfg)
+  abstract = hf_llama.abstract_params(cfg, abstract_mesh)
   checkpoint = hf_llama.HfCheckpoint(hf_dir, cfg)
   hf_llama.safe_open = CountingFile
   loaded = checkpoint.load(abstract)
@@ -75,6 +80,15 @@ def main(coordinator, process_id, hf_dir, out):
       where = ",".join(f"{s.start or 0}:{s.stop or n}"
                        for s, n in zip(shard.index, x.shape))
       saved[f"{jax.tree_util.keystr(path)}|{where}"] = np.asarray(shard.data)
+  # init_from's finiteness check: a NaN that one process's devices hold is
+  # named by both.
+  planted = np.zeros((16, 1), np.float32)
+  planted[13] = np.nan
+  rows = jax.make_array_from_callback(
+      planted.shape, NamedSharding(abstract_mesh, P("fsdp")), lambda index: planted[index])
+  saved["holds_the_nan"] = np.bool_(any(np.isnan(np.asarray(shard.data)).any()
+                                        for shard in rows.addressable_shards))
+  saved["non_finite"] = np.str_(checkpointing.non_finite(dict(loaded=loaded, planted=rows)))
   np.savez(out, **saved)
 
 
