@@ -68,8 +68,8 @@ def main(coordinator, process_id, hf_dir, out):
   cfg = model_lib.LlamaConfig(**fields)
   mesh_cfg = sharding.mesh_config()
   mesh_cfg.update(data=1, fsdp=8)
-  abstract_mesh = sharding.make_mesh(mesh_cfg)
-  abstract = hf_llama.abstract_params(cfg, abstract_mesh)
+  mesh = sharding.make_mesh(mesh_cfg)
+  abstract = hf_llama.abstract_params(cfg, mesh)
   checkpoint = hf_llama.HfCheckpoint(hf_dir, cfg)
   hf_llama.safe_open = CountingFile
   loaded = checkpoint.load(abstract)
@@ -85,7 +85,7 @@ def main(coordinator, process_id, hf_dir, out):
   planted = np.zeros((16, 1), np.float32)
   planted[13] = np.nan
   rows = jax.make_array_from_callback(
-      planted.shape, NamedSharding(abstract_mesh, P("fsdp")), lambda index: planted[index])
+      planted.shape, NamedSharding(mesh, P("fsdp")), lambda index: planted[index])
   saved["holds_the_nan"] = np.bool_(any(np.isnan(np.asarray(shard.data)).any()
                                         for shard in rows.addressable_shards))
   saved["non_finite"] = np.str_(checkpointing.non_finite(dict(loaded=loaded, planted=rows)))
