@@ -38,6 +38,7 @@ from orbax.checkpoint._src import asyncio_utils
 
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import atomic
 
 try:  # orbax's reader of a step's _CHECKPOINT_METADATA (its own checks)
   from orbax.checkpoint._src.metadata.step_metadata_serialization import (  # pylint: disable=g-import-not-at-top
@@ -200,7 +201,7 @@ class Checkpoints:
     """set_aside_to: the folder unreadable checkpoints are moved to.
     data_kind: None, or the fp4jax.records kind the `data` item must fit
     (one that does not is set aside like an unreadable checkpoint)."""
-    self.directory = os.path.abspath(directory)
+    self.directory = os.path.abspath(atomic.resolved(directory))  # `link/..` as the OS
     self._set_aside_to = set_aside_to
     self._data_kind = data_kind
     self._nbytes = None  # of the last state saved
@@ -426,7 +427,7 @@ def restore_params(directory, step, abstract_params):
   """
   item = {"params": abstract_params}
   restored = ocp.PyTreeCheckpointer().restore(
-      os.path.join(os.path.abspath(directory), str(step), "state"),
+      os.path.join(os.path.abspath(atomic.resolved(directory)), str(step), "state"),
       args=ocp.args.PyTreeRestore(
           item=item,
           restore_args=ocp.checkpoint_utils.construct_restore_args(item),

@@ -7,6 +7,7 @@ in one line with exit status 2 and that every file of the workdir is still
 there, byte for byte (fp4jax.train.run_layout.check_output).
 """
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -19,6 +20,7 @@ import pytest
 
 from fp4jax import errors
 from fp4jax.experiments import ablation
+from fp4jax.train import atomic
 from fp4jax.train import export
 from fp4jax.train import trainer
 from sharded_runs import on_first_devices
@@ -198,3 +200,141 @@ def test_the_ablation_results_never_replace_a_run(workdir, tmp_path):
   os.rmdir(workdir / "bf16" / "data")
   os.rmdir(workdir / "bf16")
   assert _files(workdir) == before and not os.path.exists(work)
+
+
+# ---------------------------------------------------------------------------
+# Paths as the OS resolves them, what an export may remove, one writer.
+
+
+def test_an_out_dir_through_a_link_and_dotdot_is_the_folder_the_os_resolves(
+    trained, tmp_path, capsys):
+  exports, other = tmp_path / "exports", tmp_path / "other"
+  (other / "sub").mkdir(parents=True)
+  assert export.main(["export", trained, str(exports / "victim")]) == 0
+  (exports / "victim" / "README.md").write_text("another export's notes")
+  (exports / "alink").symlink_to(other / "sub")
+  before = _files(exports)
+  out_dir = str(exports / "alink" / ".." / "victim")  # POSIX: other/victim
+  assert export.main(["export", trained, out_dir, "--overwrite"]) == 0, (
+      capsys.readouterr().err)
+  assert f"wrote {other / 'victim'}:" in capsys.readouterr().out
+  assert _files(exports) == before  # the other export is untouched
+  assert export.is_export(str(other / "victim"))
+  assert sorted(os.listdir(other)) == ["sub", "victim"]  # no .partial, no .lock left
+
+
+def test_a_partial_folder_without_the_export_mark_is_never_removed(trained, tmp_path, capsys):
+  out_dir = tmp_path / "hf"
+  (tmp_path / "hf.partial").mkdir()
+  (tmp_path / "hf.partial" / "notes.txt").write_text("mine")
+  before = _files(tmp_path)
+  _export_refused(capsys, trained, out_dir, message=(
+      f"OUT_DIR.partial '{out_dir}.partial' exists and is not a partial export"))
+  assert _files(tmp_path) == before and not out_dir.exists()
+  shutil.rmtree(tmp_path / "hf.partial")
+  atomic.mark_partial(str(tmp_path / "hf.partial"))  # what a killed export leaves
+  (tmp_path / "hf.partial" / "model.safetensors").write_text("half")
+  assert export.main(["export", trained, str(out_dir)]) == 0
+  assert sorted(os.listdir(tmp_path)) == ["hf"] and export.is_export(str(out_dir))
+  assert atomic.PARTIAL_MARK not in os.listdir(out_dir)
+
+
+def test_a_file_named_like_the_partial_folder_is_refused_in_one_line(trained, tmp_path, capsys):
+  out_dir = tmp_path / "hf"
+  (tmp_path / "hf.partial").write_text("a file of the user's")
+  _export_refused(capsys, trained, out_dir, message=(
+      f"OUT_DIR.partial '{out_dir}.partial' exists and is a file, not a folder"))
+  assert sorted(os.listdir(tmp_path)) == ["hf.partial"]
+  assert (tmp_path / "hf.partial").read_text() == "a file of the user's"
+
+
+def test_the_current_folder_or_an_empty_out_dir_is_refused_before_reading(
+    trained, tmp_path, monkeypatch, capsys):
+  (tmp_path / "work" / "here").mkdir(parents=True)
+  monkeypatch.chdir(tmp_path / "work" / "here")
+  _export_refused(capsys, trained, "", message="OUT_DIR is empty")
+  _export_refused(capsys, trained, ".", message="OUT_DIR '.' is the current folder")
+  _export_refused(capsys, trained, "..", message="holds the current folder")
+  _export_refused(capsys, trained, tmp_path / "work", message="holds the current folder")
+  assert os.listdir(tmp_path) == ["work"] and os.listdir(tmp_path / "work") == ["here"]
+  assert os.listdir(tmp_path / "work" / "here") == []  # nothing written, no .partial
+
+
+def _hold_lock(out_dir):
+  """An open file holding the OS lock of OUT_DIR.lock, as a running export does."""
+  f = open(f"{out_dir}.lock", "a+")  # pylint: disable=consider-using-with
+  fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  return f
+
+
+def test_one_export_at_a_time_writes_an_out_dir(trained, tmp_path, capsys):
+  out_dir = tmp_path / "hf"
+  held = _hold_lock(out_dir)  # another export is writing hf
+  try:
+    rc, out = _cli("fp4jax.convert", "export", trained, str(out_dir))
+    _refused(rc, out, f"OUT_DIR '{out_dir}': another command", "is writing it now",
+             f"{out_dir}.lock")
+    _export_refused(capsys, trained, out_dir, message="is writing it now")
+    assert sorted(os.listdir(tmp_path)) == ["hf.lock"]  # nothing written
+  finally:
+    held.close()
+  assert export.main(["export", trained, str(out_dir)]) == 0
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # the lock is gone with the export
+  (tmp_path / "hf.lock").write_text("my notes\n")  # a user's file of that name
+  _export_refused(capsys, trained, out_dir, "--overwrite",
+                  message=f"'{out_dir}.lock' exists and is not a lock fp4jax wrote")
+  assert (tmp_path / "hf.lock").read_text() == "my notes\n"
+
+
+def test_an_export_inside_a_studys_published_run_is_refused(trained, tmp_path, capsys):
+  published = tmp_path / "results" / "bf16"  # what a study publishes: records, no checkpoints/
+  published.mkdir(parents=True)
+  for name in ("config.json", "metrics.jsonl", "summary.json"):
+    shutil.copy(os.path.join(trained, name), published)
+  before = _files(tmp_path)
+  for out_dir, message in ((published / "hf", f"lies inside '{published}'"),
+                           (published, "is a run or checkpoint")):
+    _export_refused(capsys, trained, out_dir, "--overwrite",
+                    message=f"OUT_DIR '{out_dir}' {message}")
+  assert _files(tmp_path) == before
+  mine = tmp_path / "mine"  # another tool's metrics.jsonl (and a HF config.json): no run
+  mine.mkdir()
+  (mine / "metrics.jsonl").write_text('{"step": 1}\n')
+  (mine / "config.json").write_text('{"model_type": "llama"}')
+  assert export.main(["export", trained, str(mine / "hf")]) == 0
+
+
+def test_a_study_writes_only_into_its_own_results_folder(workdir, tmp_path, monkeypatch):
+  config, work = _ablation_config(), str(tmp_path / "work")
+  monkeypatch.setattr(ablation, "_train_all", lambda *a: pytest.fail("trained"))
+  res = tmp_path / "res"
+  (res / "bf16").mkdir(parents=True)
+  (res / "bf16" / "draft.tex").write_text("the user's draft")
+  before = _files(res)
+  with pytest.raises(errors.UserError, match=re.escape(
+      f"--results run folder '{res / 'bf16'}' exists and is not a run's published records")):
+    ablation.run_ablation(config, work, str(res))
+  assert _files(res) == before and not os.path.exists(work)
+  shutil.rmtree(res / "bf16")
+  (res / "table.md").write_text("the user's table")
+  (res / "DECLARATION.json").write_text("{}")  # a study may start beside these
+  before = _files(res)
+  with pytest.raises(errors.UserError, match=re.escape(
+      f"--results folder '{res}' holds table.md but is not a study's folder")):
+    ablation.run_ablation(config, work, str(res))
+  assert _files(res) == before and not os.path.exists(work)
+  os.remove(res / "table.md")
+  (res / "curves.png").symlink_to(os.path.join(workdir, "a", "metrics.jsonl"))
+  with pytest.raises(errors.UserError, match="curves.png is a symbolic link"):
+    ablation.run_ablation(config, work, str(res))
+  # The study's own folder: its record, its report, its published runs.
+  os.remove(res / "curves.png")
+  for name in ("ablation_config.json", "table.md", "arms.json"):
+    (res / name).write_text("{}")
+  (res / "bf16").mkdir()
+  for name in ablation.PUBLISHED_FILES:
+    (res / "bf16" / name).write_text("x")
+  ablation.check_study_folder(str(res), "--results folder")
+  assert ablation.is_published_records(str(res / "bf16"))
+  (res / "bf16" / "draft.tex").write_text("the user's draft")
+  assert not ablation.is_published_records(str(res / "bf16"))

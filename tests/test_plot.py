@@ -60,4 +60,31 @@ def test_an_out_that_is_not_an_image_name_is_refused_before_drawing(tmp_path, ca
   assert sorted(os.listdir(run)) == ["checkpoints", "config.json", "metrics.jsonl"]
   assert os.listdir(os.path.join(run, "checkpoints")) == ["4"]
   assert {n: open(os.path.join(run, n), "rb").read() for n in before} == before
-  assert curves.main([run, "-o", os.path.join(run, "curves.PDF")]) == 0
+  assert curves.main([run, "-o", str(tmp_path / "curves.PDF")]) == 0
+
+
+def test_an_out_that_is_a_link_or_inside_a_run_is_refused(tmp_path, capsys):
+  run = str(tmp_path / "a")
+  _fake_run(run, [5.0, 4.0], "bf16")
+  os.makedirs(os.path.join(run, "checkpoints", "4", "state"))  # a checkpoint
+  (tmp_path / "fig.png").symlink_to(os.path.join(run, "metrics.jsonl"))
+  (tmp_path / "fig.svg").symlink_to(os.path.join(run, "config.json"))
+  before = {n: open(os.path.join(run, n), "rb").read() for n in ("config.json", "metrics.jsonl")}
+  for out, message in (
+      (tmp_path / "fig.png", f"is a symbolic link to '{run}/metrics.jsonl'"),
+      (tmp_path / "fig.svg", f"is a symbolic link to '{run}/config.json'"),
+      (tmp_path / "a" / "checkpoints" / "4" / "loss.png", "lies inside the run or checkpoint"),
+      (tmp_path / "a" / "checkpoints" / "loss.png", f"lies inside the run or checkpoint '{run}'"),
+      (tmp_path / "a" / "curves.png", f"lies inside the run or checkpoint '{run}'")):
+    assert curves.main([run, "-o", str(out)]) == 2, out
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"-o '{out}' {message}" in err, err
+  assert {n: open(os.path.join(run, n), "rb").read() for n in before} == before
+  assert sorted(os.listdir(run)) == ["checkpoints", "config.json", "metrics.jsonl"]
+  assert os.listdir(os.path.join(run, "checkpoints", "4")) == ["state"]
+  assert sorted(os.listdir(tmp_path)) == ["a", "fig.png", "fig.svg"]
+  (tmp_path / "out").mkdir()  # beside the run, through a link and `..`: where the OS goes
+  (tmp_path / "out" / "inner").mkdir()
+  (tmp_path / "alink").symlink_to(tmp_path / "out" / "inner")
+  assert curves.main([run, "-o", str(tmp_path / "alink" / ".." / "c.png")]) == 0
+  assert sorted(os.listdir(tmp_path / "out")) == ["c.png", "inner"]

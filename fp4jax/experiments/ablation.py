@@ -15,8 +15,15 @@ finishes (fp4jax.experiments.committed), runs complete there are skipped
 (the study resumes from what is in git, the workdir may be gone), and the
 report is written in FOLDER; --git_commit commits each finished run's folder
 (and the declaration record) on its own, nothing else. A FOLDER/<run> that
-is, holds or lies inside a run (FOLDER = WORKDIR, or inside a run), or that
-holds folders, is refused before anything is written (run_layout.check_output).
+is, holds or lies inside a run (FOLDER = WORKDIR, or inside a run), is a
+symbolic link, or holds anything but what the study publishes there
+(`is_published_records`), is refused before anything is written
+(run_layout.check_output). The study folder (FOLDER, else WORKDIR) is
+written only when it is the study's own (`is_study_folder`: it holds the
+study's record) or holds none of the files a study writes at its top
+(STUDY_FILES: a folder of the user's notes and a DECLARATION.json is
+fine); any of them that is a symbolic link is refused too. Paths are taken
+as the OS resolves them (`link/..` is the folder above the link's target).
 
 A study folder belongs to the config recorded in its ablation_config.json
 (never replaced); a rerun with another config, or finished runs trained with
@@ -104,6 +111,13 @@ from fp4jax.experiments import parallel
 from fp4jax.experiments import report
 from fp4jax.experiments import study_config
 # pylint: enable=g-import-not-at-top,wrong-import-position
+
+ARMS = "arms.json"
+# What a study writes at the top of its folder (each run's folder aside).
+STUDY_FILES = (study_config.RECORD, declaration.RECORD, ARMS) + report.REPORT_FILES
+# What a published run's folder holds: its records (committed.publish) and
+# the report's figure.
+PUBLISHED_FILES = committed.RUN_FILES + (committed.MANIFEST, report.DIAGNOSTICS)
 
 DEFAULT_RECIPES = ("bf16", "fp8", "mxfp4-fprop", "mxfp4-fprop-dgrad", "mxfp4", "mxfp4-sr",
                    "mxfp4-rh16", "mxfp4-dh16", "mxfp4-floor", "mxfp4-dh16-floor",
@@ -250,6 +264,8 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   """
   arms = arm_list(config)
   names = [a.name for a in arms]
+  workdir = run_layout.output_path(workdir, "--workdir")
+  results = results and run_layout.output_path(results, "--results")
   if config.ablation.seeds < 1:
     raise train_config.ConfigError(
         f"config.ablation.seeds must be >= 1, got {config.ablation.seeds}")
@@ -266,7 +282,9 @@ def run_ablation(config, workdir, results=None, git_commit=False,
       run_layout.check_output(
           _results_dir(results, path), "--results run folder",
           reads=[p for _, _, p in runs], reading="trains a run in",
-          is_own=run_layout.holds_no_folder, own="a run's published records (files only)")
+          is_own=is_published_records, own=(
+              "a run's published records (only " + ", ".join(PUBLISHED_FILES) + ")"))
+  check_study_folder(out, "--results folder" if results else "--workdir")
   if git_commit:  # before anything is written or trained
     committed.check_repository([results] + ([config.ablation.declaration]
                                             if config.ablation.declaration else []))
@@ -295,7 +313,7 @@ def run_ablation(config, workdir, results=None, git_commit=False,
                         git_commit)
   for folder in {workdir, out}:
     study_config.record(folder, config)
-    workdir_lib.write_json(os.path.join(folder, "arms.json"), {
+    workdir_lib.write_json(os.path.join(folder, ARMS), {
         a.name: dict(spec=a.spec, recipe=a.recipe.name) for a in arms})
   todo = []
   for arm, seed, path in runs:
@@ -312,6 +330,57 @@ def run_ablation(config, workdir, results=None, git_commit=False,
   if git_commit:
     committed.git_commit([results], f"{results}: report")
   return rows
+
+
+def is_published_records(path):
+  """True for a folder that holds nothing but what the study publishes in a
+  run's folder (PUBLISHED_FILES, plain files)."""
+  names = os.listdir(path)
+  return set(names) <= set(PUBLISHED_FILES) and not any(
+      os.path.islink(os.path.join(path, n)) or os.path.isdir(os.path.join(path, n))
+      for n in names)
+
+
+def is_study_folder(folder):
+  """True when `folder` holds a study's record (its ablation_config.json, the
+  declaration record a declared study writes before it, or the arms.json a
+  study writes: {arm: {"spec": ..., "recipe": ...}}): the study's own."""
+  if any(os.path.isfile(os.path.join(folder, n))
+         for n in (study_config.RECORD, declaration.RECORD)):
+    return True
+  try:
+    with open(os.path.join(folder, ARMS), encoding="utf-8") as f:
+      arms = json.load(f)
+  except (OSError, ValueError):
+    return False
+  return isinstance(arms, dict) and bool(arms) and all(
+      isinstance(a, dict) and set(a) == {"spec", "recipe"} for a in arms.values())
+
+
+def check_study_folder(folder, what):
+  """UserError (one line) before anything is written, when the study folder
+  `folder` holds one of STUDY_FILES as a symbolic link or a folder, or is not
+  a study's own (`is_study_folder`) and holds one of them: a study writes
+  over only its own files."""
+  if not os.path.isdir(folder):
+    return
+  for name in STUDY_FILES:
+    path = os.path.join(folder, name)
+    if os.path.islink(path):
+      raise errors.UserError(
+          f"{what} {folder!r}: {name} is a symbolic link to {os.readlink(path)!r}; the "
+          "study does not write through it: remove the link")
+    if os.path.isdir(path):
+      raise errors.UserError(f"{what} {folder!r}: {name} is a folder; the study writes "
+                             "a file there: move it, or give another folder")
+  if is_study_folder(folder):
+    return
+  theirs = [n for n in STUDY_FILES if os.path.exists(os.path.join(folder, n))]
+  if theirs:
+    raise errors.UserError(
+        f"{what} {folder!r} holds {theirs[0]} but is not a study's folder (it has no "
+        f"{study_config.RECORD}, {declaration.RECORD} or a study's {ARMS}); a study writes over only its own files: give an empty "
+        "or new folder, or the study's own")
 
 
 def _check_before_recording(config, arm):
@@ -501,7 +570,7 @@ def _report(config, workdir, names):
       diverge_loss=ab.diverge_loss, zoom=ab.zoom, target_at=ab.target_at,
       late_from=ab.late_from, declaration=ab.declaration or None,
       window=config.diagnostics.window if config.diagnostics.enabled else None)
-  with open(os.path.join(workdir, "table.md")) as f:
+  with open(os.path.join(workdir, report.TABLE)) as f:
     print(f.read(), flush=True)
   return rows
 

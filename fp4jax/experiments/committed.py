@@ -16,9 +16,11 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import atomic
 from fp4jax.train import run_layout
 
 RUN_FILES = run_layout.RECORDS + (run_layout.WALL,)
@@ -49,13 +51,13 @@ def is_complete(run_dir) -> bool:
 
 def publish(src, dst):
   """Copies src's RUN_FILES (those present) to dst
-  atomically: a sibling temporary folder, its manifest last, then a rename.
-  An existing dst is replaced. Returns dst."""
-  parent = os.path.dirname(os.path.abspath(dst))
+  atomically: a new sibling temporary folder (.NAME.tmp.XXXX), its manifest
+  last, then a rename. An existing dst is replaced (the caller checks that it
+  is published records: fp4jax.experiments.ablation); no other folder is
+  removed. Returns dst."""
+  parent = os.path.realpath(os.path.dirname(dst) or os.curdir)
   os.makedirs(parent, exist_ok=True)
-  tmp = os.path.join(parent, f".{os.path.basename(dst)}.tmp")
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.tmp.")
   files = {}
   for name in RUN_FILES:
     if os.path.exists(os.path.join(src, name)):
@@ -63,12 +65,14 @@ def publish(src, dst):
       files[name] = _sha256(os.path.join(tmp, name))
   with open(os.path.join(tmp, MANIFEST), "w") as f:
     json.dump({"files": files}, f, indent=2, sort_keys=True)
-  old = os.path.join(parent, f".{os.path.basename(dst)}.old")
-  shutil.rmtree(old, ignore_errors=True)
+  os.chmod(tmp, 0o777 & ~atomic.umask())  # mkdtemp creates 0700
+  old = None
   if os.path.exists(dst):
-    os.replace(dst, old)
+    old = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(dst)}.old.")
+    os.replace(dst, old)  # over the new empty folder
   os.replace(tmp, dst)
-  shutil.rmtree(old, ignore_errors=True)
+  if old is not None:
+    shutil.rmtree(old, ignore_errors=True)
   return dst
 
 

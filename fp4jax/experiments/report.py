@@ -45,6 +45,9 @@ PAPER = {
     "mxfp4-rh16": "diverges", "mxfp4-dh16": "8-9%", "mxfp4-dh32": "8-9%",
 }
 SNR_STATS = ("snr", "snr_true")
+TABLE, CURVES, SNR, DIAGNOSTICS = "table.md", "curves.png", "snr.png", "diagnostics.png"
+# What the report writes in the study folder (and DIAGNOSTICS in each run's).
+REPORT_FILES = (TABLE, CURVES, SNR, DIAGNOSTICS)
 _SEED_DIR = re.compile(r"(.+)_seed(\d+)$")
 
 
@@ -564,16 +567,34 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
   banner = ("**EXPLORATORY: the verdicts of this table do not follow rules declared before "
             "its first run** (see the verdicts' paragraph).\n\n") if (
       decl is not None and declaration_lib.status(workdir, decl.path) != "declared") else ""
-  write_table(os.path.join(workdir, "table.md"), rows, targets, diverge_loss, note, diag,
+  check_report_files(workdir, [run.path for rs in runs.values() for run in rs])
+  write_table(os.path.join(workdir, TABLE), rows, targets, diverge_loss, note, diag,
               sections, banner)
-  figures.plot_snr(os.path.join(workdir, "snr.png"), series, diagnostics.SNR_THRESHOLD)
-  figures.plot_curves(os.path.join(workdir, "curves.png"), runs, zoom,
+  figures.plot_snr(os.path.join(workdir, SNR), series, diagnostics.SNR_THRESHOLD)
+  figures.plot_curves(os.path.join(workdir, CURVES), runs, zoom,
                     float(np.mean(list(targets.values()))), baseline)
-  figures.plot_diagnostics_summary(os.path.join(workdir, "diagnostics.png"), diag, window)
+  figures.plot_diagnostics_summary(os.path.join(workdir, DIAGNOSTICS), diag, window)
   for rs in runs.values():
     for run in rs:
-      figures.plot_diagnostics(os.path.join(run.path, "diagnostics.png"), run)
+      figures.plot_diagnostics(os.path.join(run.path, DIAGNOSTICS), run)
   return rows
+
+
+def check_report_files(workdir, run_paths):
+  """UserError (one line) before anything is drawn when a file the report
+  writes (REPORT_FILES in `workdir`, DIAGNOSTICS in each run's folder) is a
+  symbolic link or a folder: the report would write through the link, over
+  the file it points to."""
+  paths = [os.path.join(workdir, n) for n in REPORT_FILES] + [
+      os.path.join(p, DIAGNOSTICS) for p in run_paths]
+  for path in paths:
+    if os.path.islink(path):
+      raise errors.UserError(
+          f"{path!r} is a symbolic link to {os.readlink(path)!r}; the report does not "
+          "write through it: remove the link")
+    if os.path.isdir(path):
+      raise errors.UserError(f"{path!r} is a folder; the report writes a file there: "
+                             "move it")
 
 
 _USAGE = ("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "
@@ -646,7 +667,7 @@ def _redraw(workdir, opts):
       declaration=opts.get("declaration") or _study_declaration(workdir, ab.get("declaration")),
       window=diag.get("window") if diag.get("enabled") else None,
       target_at=float(opts.get("target_at", ab.get("target_at", 1.0))))
-  with open(os.path.join(workdir, "table.md")) as f:
+  with open(os.path.join(workdir, TABLE)) as f:
     print(f.read())
 
 

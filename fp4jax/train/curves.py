@@ -6,10 +6,14 @@ Each run is a workdir written by fp4jax.train.trainer (its metrics.jsonl rows th
 carry an eval_loss). A run's label defaults to its directory name and recipe.
 OUT's extension names the image format (png, pdf, svg, ...); any other name
 (a run's config.json, a folder, a name without one) is refused in one line
-before anything is drawn.
+before anything is drawn, and so is an OUT that is a symbolic link or lies
+inside a run or a checkpoint (run_layout.check_output_file: a plot never
+writes over a run's files). The image is written atomically
+(fp4jax.train.atomic): a reader sees the old file or the new one.
 """
 
 import argparse
+import io
 import math
 import os
 import sys
@@ -22,6 +26,7 @@ from matplotlib.backend_bases import FigureCanvasBase  # pylint: disable=g-impor
 
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import atomic
 from fp4jax.train import run_layout
 from fp4jax.train.metrics_log import read_metrics
 
@@ -53,19 +58,25 @@ def _label(workdir):
 
 
 def check_out(out):
-  """UserError unless `out` names an image file by an extension matplotlib
-  writes (it would add .png to a name without one, and refuse others late)."""
+  """`out` as the OS resolves it (run_layout.output_path); UserError unless it
+  names an image file by an extension matplotlib writes (it would add .png
+  to a name without one, and refuse others late), and where no command
+  writes (run_layout.check_output_file: not a symbolic link, nowhere inside
+  a run or a checkpoint)."""
   formats = FigureCanvasBase.get_supported_filetypes()
+  out = run_layout.output_path(out, "-o")
   extension = os.path.splitext(out)[1][1:].lower()
   if os.path.isdir(out) or extension not in formats:
     raise errors.UserError(f"-o {out!r} is not the name of an image file; give one "
                            f"ending in {', '.join('.' + f for f in sorted(formats))}")
+  run_layout.check_output_file(out, "-o")
+  return out
 
 
 def plot_runs(workdirs, out, labels=None, title=None):
   """Draws every run's eval-loss curve into `out` (an image, `check_out`);
   returns `out`."""
-  check_out(out)
+  out = check_out(out)
   labels = labels or [_label(w) for w in workdirs]
   if len(labels) != len(workdirs):
     raise errors.UserError(f"{len(labels)} labels for {len(workdirs)} runs")
@@ -81,8 +92,10 @@ def plot_runs(workdirs, out, labels=None, title=None):
   if title:
     ax.set_title(title)
   fig.tight_layout()
-  fig.savefig(out, dpi=120)
+  image = io.BytesIO()
+  fig.savefig(image, dpi=120, format=os.path.splitext(out)[1][1:].lower())
   plt.close(fig)
+  atomic.write_text(out, image.getvalue())
   return out
 
 

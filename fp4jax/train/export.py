@@ -19,14 +19,19 @@ forward's codes and scales when it computed in that format), the other
 tensors in --dtype. Bad input (a checkpoint whose weights hold NaN or Inf
 included): one line, exit code 2.
 
-The export is written into OUT_DIR.partial beside OUT_DIR and renamed to
-OUT_DIR once complete, so a killed export leaves no OUT_DIR (only the
-.partial folder, removed by the next export). An existing OUT_DIR is refused
-unless --overwrite, which replaces it only then, in one atomic exchange, and
-only when it is an export (`is_export`); a full disk removes the partial
-folder and names the space needed (exit 2). An OUT_DIR that is, holds or
-lies inside RUN_DIR or any run or checkpoint, or is a symbolic link, is
-refused before anything is read or written (run_layout.check_output).
+The export is written into OUT_DIR.partial beside OUT_DIR, marked as this
+command's first thing (atomic.mark_partial), and renamed to OUT_DIR once
+complete, so a killed export leaves no OUT_DIR (only the marked .partial
+folder, removed by the next export; an OUT_DIR.partial without the mark is
+refused, never removed). An existing OUT_DIR is refused unless --overwrite,
+which replaces it only then, in one atomic exchange, and only when it is an
+export (`is_export`); a full disk removes the partial folder and names the
+space needed (exit 2). An OUT_DIR that is, holds or lies inside RUN_DIR or
+any run or checkpoint, is a symbolic link, the current folder or one above
+it, is refused before anything is read or written (run_layout.check_output;
+OUT_DIR is taken as the OS resolves it: `link/..` is the folder above the
+link's target). One export at a time writes an OUT_DIR: it holds
+OUT_DIR.lock (atomic.OutputLock) while it runs, and a second is refused.
 """
 
 import argparse
@@ -256,6 +261,11 @@ def is_export(path):
           and run_layout.holds_no_folder(path))
 
 
+def _is_partial_export(path):
+  """True for the OUT_DIR.partial of an export (its mark, files only)."""
+  return atomic.is_marked_partial(path) and run_layout.holds_no_folder(path)
+
+
 def _check_target(run_dir, out_dir, overwrite):
   """ConvertError if `out_dir` is a file, or an export to keep (no
   --overwrite); errors.UserError if it, or the OUT_DIR.partial a killed
@@ -266,9 +276,10 @@ def _check_target(run_dir, out_dir, overwrite):
                        "the folder to write the export into (it is created)")
   run_layout.check_output(out_dir, "OUT_DIR", reads=[run_dir], is_own=is_export,
                           own="an export (config.json and model weights, no folder)")
-  run_layout.check_output(out_dir + ".partial", "OUT_DIR.partial", reads=[run_dir],
-                          is_own=run_layout.holds_no_folder,
-                          own="a partial export (files only)")
+  run_layout.check_output(
+      out_dir + ".partial", "OUT_DIR.partial", reads=[run_dir], is_own=_is_partial_export,
+      own=f"a partial export (files only, with the mark {atomic.PARTIAL_MARK} an "
+      "export writes first): the export writes its partial folder there")
   if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
     raise ConvertError(f"OUT_DIR {out_dir!r} exists and is not empty; pass "
                        "--overwrite to replace it (once the new export is "
@@ -296,7 +307,7 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(EXPORT_DTYPES)}")
   if not max_shard_gb > 0:
     raise ConvertError(f"--max_shard_gb must be > 0, got {max_shard_gb}")
-  out_dir = os.path.normpath(out_dir)
+  out_dir = run_layout.output_path(out_dir, "OUT_DIR")
   _check_target(run_dir, out_dir, overwrite)
   if layout is not None and quantize is None:
     raise ConvertError(f"--layout {layout!r} needs --quantize (nvfp4 or "
@@ -307,6 +318,20 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   if calibration_batches is not None and calibration_batches < 1:
     raise ConvertError(f"--calibration_batches must be >= 1, got "
                        f"{calibration_batches}")
+  try:
+    os.makedirs(os.path.dirname(out_dir) or os.curdir, exist_ok=True)
+  except OSError as e:
+    raise ConvertError(f"cannot create the folder of OUT_DIR {out_dir!r}: "
+                       f"{e.strerror}") from None
+  with atomic.OutputLock(out_dir, "OUT_DIR"):  # one export at a time writes it
+    _check_target(run_dir, out_dir, overwrite)  # again: it may have changed
+    return _export(run_dir, out_dir, step, dtype, max_shard_gb, quantize, layout,
+                   fused_scale, activations, calibration_batches)
+
+
+def _export(run_dir, out_dir, step, dtype, max_shard_gb, quantize, layout,
+            fused_scale, activations, calibration_batches):
+  """`export` once OUT_DIR is checked and locked."""
   config, cfg = run_config(run_dir)
   # A damaged newest checkpoint: the newest readable one (unless --step).
   step, params = checkpointing.restore_params_newest(
@@ -335,19 +360,19 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
   tokenizer = config.get("data", {}).get("tokenizer", "bytes")
   tokenizer, tok = _run_tokenizer(tokenizer, config.get("resolved", {}).get("tokenizer"))
   partial = out_dir + ".partial"
-  if os.path.isdir(partial):
-    shutil.rmtree(partial)  # left by a killed export
-  remove_partial = functools.partial(shutil.rmtree, partial, ignore_errors=True)
+  if os.path.isdir(partial):  # left by a killed export (_check_target: marked)
+    shutil.rmtree(partial)
+  remove_partial = functools.partial(_remove_partial, partial)
   errors.on_signal_exit(remove_partial)  # a signal ends the CLI at once
   try:
-    os.makedirs(partial)
+    atomic.mark_partial(partial)
     n_files, total, tokenizer_line = _write_export(
         partial, config, cfg, params, tokenizer, tok, dtype, max_shard_gb,
         packed)
     atomic.replace_dir(partial, out_dir)
+    atomic.unmark(out_dir)
   except BaseException as e:
-    if os.path.isdir(partial):
-      shutil.rmtree(partial, ignore_errors=True)
+    _remove_partial(partial)
     if isinstance(e, Exception) and errors.is_disk_full(e):
       needed = sum(math.prod(s) for s in param_shapes(cfg).values())
       raise errors.disk_full(out_dir, needed * np.dtype(
@@ -366,6 +391,12 @@ def export(run_dir, out_dir, *, step=None, dtype="float32", max_shard_gb=5.0,
           f"{len(tensor_table(cfg))} tensors, "
           f"{total:,} bytes ({kind}) in {n_files} file(s)", *notices,
           tokenizer_line]
+
+
+def _remove_partial(partial):
+  """Removes OUT_DIR.partial when it is this export's (it holds the mark)."""
+  if os.path.isdir(partial) and atomic.is_marked_partial(partial):
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def _write_export(out_dir, config, cfg, params, tokenizer, tok, dtype,

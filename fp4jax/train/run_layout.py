@@ -19,9 +19,14 @@ the model, quant and resolved blocks the trainer writes (records.RunConfig).
 
 No command writes over a run: `check_output` refuses a folder a command would
 fill or replace (an export, a study's results) when it is, holds or lies
-inside a run or a checkpoint, is a symbolic link, or is some other folder
-than the command's own kind; every command that replaces a folder asks it
-first, before anything is written.
+inside a run or a checkpoint (a study's published run, metrics.jsonl beside
+the trainer's config.json, counts), is a symbolic link, a file, the current
+folder or one above it, or is some other folder than the command's own
+kind; `check_output_file` refuses a file a command would write (a plot) that
+is a symbolic link or lies inside a run or a checkpoint. Every command asks
+first, before anything is written, with the path as the OS resolves it
+(`output_path`: `link/..` is the folder above the link's target, never the
+folder the text `link/..` would name).
 """
 
 import json
@@ -30,6 +35,7 @@ import os
 from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax import records
+from fp4jax.train import atomic
 
 CHECKPOINTS = "checkpoints"
 CORRUPT_CHECKPOINTS = "checkpoints_corrupt"
@@ -90,17 +96,46 @@ def _inside(path, folder):
   return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def output_path(path, what):
+  """The output path `path` as the OS resolves it when it is written
+  (atomic.resolved: `link/..` is the folder above the link's target);
+  errors.UserError (one line naming `what`) for an empty path."""
+  if not path:
+    raise errors.UserError(f"{what} is empty; give the folder or file to write")
+  return atomic.resolved(path)
+
+
+def is_published_run(path):
+  """True when `path` holds a run's records without its checkpoints, as a
+  study publishes them: metrics.jsonl and a config.json the trainer wrote
+  (`usable_config`)."""
+  return os.path.isfile(metrics_file(path)) and saved_config(path)[0] is not None
+
+
+def _is_run_above(path):
+  """Whether the folder `path`, above an output, is a run or a checkpoint: a
+  checkpoint, a folder whose checkpoints/ holds a checkpoint or that has
+  metrics.jsonl beside its checkpoints/ or beside a config.json the trainer
+  wrote (`is_published_run`). A folder that holds another tool's
+  checkpoints/ or metrics.jsonl alone is not one."""
+  return (checkpointing.is_checkpoint(path) or is_published_run(path) or (
+      os.path.isdir(checkpoints(path)) and (
+          checkpointing.committed_steps(checkpoints(path))
+          or os.path.isfile(metrics_file(path)))))
+
+
 def _run_of(path):
   """The run or checkpoint that the real path `path` is or lies inside, or
-  None. Above `path`, a folder counts as a run when its checkpoints/ holds a
-  checkpoint or it has metrics.jsonl (so a home folder that holds another
-  tool's checkpoints/ is not one)."""
-  if is_run_or_checkpoint(path):
-    return path
+  None: `path` itself counts when it has checkpoints/ (`is_run_or_checkpoint`),
+  it and the folders above it when they are a run by `_is_run_above`."""
+  return path if is_run_or_checkpoint(path) else _run_above(path)
+
+
+def _run_above(path):
+  """The first of the real folder `path` and the folders above it that is a
+  run by `_is_run_above`, or None."""
   while True:
-    if checkpointing.is_checkpoint(path) or (os.path.isdir(checkpoints(path)) and (
-        checkpointing.committed_steps(checkpoints(path))
-        or os.path.isfile(metrics_file(path)))):
+    if _is_run_above(path):
       return path
     parent = os.path.dirname(path)
     if parent == path:
@@ -120,21 +155,36 @@ def check_output(path, what, *, reads=(), reading="reads", is_own, own):
 
   - a symbolic link (named with its target: replacing the link would leave
     the folder it points to, writing through it would replace that folder);
-  - a folder that is or lies inside a run or a checkpoint
-    (`is_run_or_checkpoint`), or one of `reads` (the folders the command
+  - something that is not a folder;
+  - the current folder or a folder above it (a command cannot replace it);
+  - a folder that is or lies inside a run or a checkpoint (`_run_of`: a
+    folder with checkpoints/, one checkpoint, or a run's records, e.g. a
+    study's published run), or one of `reads` (the folders the command
     `reading`: "reads", "trains a run in"; they need not exist yet), or
-    holds one of them;
+    holds one of them; only a run's records that are `is_own(path)` (the
+    ablation's own published run) may be replaced;
   - an existing folder that holds anything but is not `is_own(path)` (a
     function of the path; `own` says what that is, e.g. "an export"): the
     only folder a command replaces is one it wrote.
 
   A path that does not exist yet passes unless it would lie inside a run.
+  `path` is used as the OS resolves it (give it through `output_path`).
   """
   if os.path.islink(path):
     raise errors.UserError(
         f"{what} {path!r} is a symbolic link to {os.readlink(path)!r}; it is not "
         "followed or replaced: give the folder itself, or another folder")
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise errors.UserError(
+        f"{what} {path!r} exists and is a file, not a folder; it is not replaced: "
+        "move or remove it, or give another folder")
   real = os.path.realpath(path)
+  cwd = os.path.realpath(os.getcwd())
+  if _inside(cwd, real):
+    how = "is the current folder" if cwd == real else "holds the current folder"
+    raise errors.UserError(
+        f"{what} {path!r} {how}, which a command cannot replace: give a new or "
+        "other folder")
   for read in reads:
     read_real = os.path.realpath(read)
     if _inside(real, read_real) or _inside(read_real, real):
@@ -144,7 +194,8 @@ def check_output(path, what, *, reads=(), reading="reads", is_own, own):
           f"{what} {path!r} {how} {read!r}, which this command {reading}; give a "
           "folder outside it")
   run = _run_of(real)
-  if run is not None:
+  if run is not None and not (run == real and not is_run_or_checkpoint(real)
+                              and is_own(real)):
     shown = os.path.normpath(os.path.join(path, os.path.relpath(run, real)))
     how = "is" if run == real else (
         f"lies inside {shown if os.path.realpath(shown) == run else run!r},")
@@ -154,7 +205,8 @@ def check_output(path, what, *, reads=(), reading="reads", is_own, own):
   if not os.path.isdir(real) or not os.listdir(real):
     return
   held = [os.path.join(path, name) for name in sorted(os.listdir(real))
-          if is_run_or_checkpoint(os.path.join(real, name))]
+          if is_run_or_checkpoint(os.path.join(real, name))
+          or is_published_run(os.path.join(real, name))]
   if held:
     raise errors.UserError(
         f"{what} {path!r} holds the run or checkpoint {held[0]!r}; it is never "
@@ -163,6 +215,27 @@ def check_output(path, what, *, reads=(), reading="reads", is_own, own):
     raise errors.UserError(
         f"{what} {path!r} exists and is not {own}; only such a folder is replaced: "
         "give another folder")
+
+
+def check_output_file(path, what):
+  """Refuses (errors.UserError, one line) a file that a command is about to
+  write or replace, before anything is written: a symbolic link (writing
+  through it would replace the file it points to), a folder, or a path that
+  is or lies inside a run or a checkpoint (`check_output`'s rule; a run's
+  own files included). `path`: as `output_path` gives it."""
+  if os.path.islink(path):
+    raise errors.UserError(
+        f"{what} {path!r} is a symbolic link to {os.readlink(path)!r}; it is not "
+        "written through or replaced: give another file name")
+  if os.path.isdir(path):
+    raise errors.UserError(f"{what} {path!r} is a folder; give the name of a file")
+  real = os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir),
+                      os.path.basename(path))
+  run = _run_above(os.path.dirname(real))
+  if run is not None:
+    raise errors.UserError(
+        f"{what} {path!r} lies inside the run or checkpoint {run!r}; it is never "
+        "written over: give a file outside it")
 
 
 # ---------------------------------------------------------------------------
