@@ -8,8 +8,13 @@ checkpoint that cannot be read is moved aside to `<set_aside_to>/<step>`
 with a warning and the previous one is tried, so a run killed while
 writing, or a damaged disk, costs at most one checkpoint interval. A
 readable checkpoint whose arrays do not fit the requested state (another
-model shape or optimizer) is not corrupt: `CheckpointMismatch` is raised
-and it stays where it is.
+model shape or optimizer: any array name or shape that differs) is not
+corrupt: `CheckpointMismatch` is raised, one line naming the first
+difference, and it stays where it is; every read of a checkpoint
+(`restore_latest`, `restore_params`) checks that before it reads. A
+checkpoint whose parameters or optimizer state hold NaN or Inf is damaged
+(a training loop never saves one: non-finite steps are not applied) and is
+set aside like an unreadable one when `restore_latest` reads it.
 
 A save that fails for lack of space, at once or (asynchronous saves) in the
 background, raises errors.DiskFull naming the directory and the size of the
@@ -33,6 +38,7 @@ import jax
 from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils
 
@@ -141,19 +147,26 @@ def leaf_name(path):
 
 
 def _shards_finite(x):
-  """Whether every element of jax.Array `x` that this process holds is finite.
+  """Whether every element of array `x` that this process holds is finite
+  (an array of integers, or a host array, is checked where it is).
 
   Each shard is checked on its own device (replicas once), so no check is a
   collective: an all-reduce per tensor, dispatched right after a restore
   while its host-to-device copies are still pending, can leave one device's
   participant waiting for a CPU thread until XLA's collective timeout aborts
   the process (seen with 8 virtual CPU devices on 2 loaded cores)."""
+  if not isinstance(x, jax.Array):
+    x = np.asarray(x)
+    return not jnp.issubdtype(x.dtype, jnp.inexact) or bool(np.all(np.isfinite(x)))
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return True
   return all(bool(jnp.all(jnp.isfinite(shard.data)))
              for shard in x.addressable_shards if shard.replica_id == 0)
 
 
 def non_finite(params):
-  """"" when every array leaf of `params` is finite, else the one-line "holds
+  """"" when every array leaf of `params` (parameters, or a whole training
+  state: optimizer moments included) is finite, else the one-line "holds
   NaN or Inf in N tensor(s): block_0/mlp/down/kernel, ..." naming them
   (every process gets the same answer)."""
   leaves = jax.tree_util.tree_leaves_with_path(jax.block_until_ready(params))
@@ -168,14 +181,9 @@ def non_finite(params):
 
 
 def _mismatch(saved, wanted):
-  """A description of how two {path: shape} maps differ ("" if they agree).
-
-  Paths are compared without list indices (optax states are tuples in
-  memory, lists on disk) by their sorted order.
-  """
-  if sorted(saved.values()) == sorted(wanted.values()) and len(saved) == len(
-      wanted):
-    return ""
+  """A description of how two {path: shape} maps differ ("" if they agree):
+  names asked that the checkpoint lacks, names it holds that were not asked,
+  and names whose shapes differ, each counted and its first named."""
   missing = sorted(wanted.keys() - saved.keys())
   extra = sorted(saved.keys() - wanted.keys())
   shapes = sorted(k for k in saved.keys() & wanted.keys()
@@ -189,8 +197,21 @@ def _mismatch(saved, wanted):
     parts.append(f"{len(missing)} arrays are not in it, e.g. {missing[0]}")
   if extra:
     parts.append(f"{len(extra)} arrays of it are not asked, e.g. {extra[0]}")
-  return "; ".join(parts) or (f"{len(saved)} arrays in the checkpoint vs "
-                              f"{len(wanted)} asked")
+  return "; ".join(parts)
+
+
+def _saved_leaf_shapes(state_dir):
+  """{name: shape} of the arrays the checkpoint item `state_dir` holds, from
+  its metadata; None when that cannot be read (the restore then says why)."""
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    with _failed_reads_stopped():
+      saved = handler.metadata(epath.Path(state_dir))
+    return _leaf_shapes(getattr(saved, "tree", saved)) or None
+  except Exception:  # pylint: disable=broad-except
+    return None
+  finally:
+    handler.close()
 
 
 class Checkpoints:
@@ -269,11 +290,15 @@ class Checkpoints:
       self.wait()
 
   def restore_latest(self, abstract_state):
-    """Returns (step, state, data_state) of the newest readable checkpoint.
+    """Returns (step, state, data_state) of the newest usable checkpoint.
 
     `abstract_state` is a pytree of jax.ShapeDtypeStruct with shardings; the
     state comes back with those shardings (so it may be restored onto another
-    mesh). Returns None when there is no readable checkpoint.
+    mesh). A newer checkpoint that cannot be read, or whose state holds NaN
+    or Inf (`non_finite`: parameters and optimizer state, each shard checked
+    where it lies), is set aside with a warning. Returns None when there is
+    no usable checkpoint; CheckpointMismatch when the newest readable one
+    holds other arrays than `abstract_state` (`_check_fits`).
     """
     wanted = _leaf_shapes(abstract_state)
     for step in reversed(self.steps()):
@@ -292,12 +317,17 @@ class Checkpoints:
         # Orbax and tensorstore raise many types for unreadable files.
         self._set_aside(step, _first_cause(e))
         continue
+      bad = non_finite(restored["state"])
+      if bad:  # parameters or optimizer state: damaged (never saved so)
+        self._set_aside(step, f"its state {bad}", unusable=True)
+        continue
       return step, restored["state"], restored["data"]
     return None
 
   def _check_fits(self, step, wanted):
     """CheckpointMismatch if the metadata of `step` is readable and its
-    arrays differ from `wanted`; an unreadable one is left to the restore."""
+    arrays differ from `wanted` (names or shapes: _mismatch); an unreadable
+    one is left to the restore."""
     try:
       with _failed_reads_stopped():
         saved = self._manager.item_metadata(step)["state"]
@@ -314,8 +344,9 @@ class Checkpoints:
           "with the config it was written with (config.json), or use a new "
           "workdir.")
 
-  def _set_aside(self, step, why):
-    """Moves an unreadable checkpoint out of the way, with a warning."""
+  def _set_aside(self, step, why, unusable=False):
+    """Moves an unreadable (or `unusable`: readable but damaged) checkpoint
+    out of the way, with a warning saying `why`."""
     src = os.path.join(self.directory, str(step))
     dst_dir = self._set_aside_to
     os.makedirs(dst_dir, exist_ok=True)
@@ -325,8 +356,9 @@ class Checkpoints:
       dst = os.path.join(dst_dir, f"{step}.{n}")
     shutil.move(src, dst)
     logging.warning(
-        "Checkpoint at step %d could not be read (%s); moved it to %s and "
-        "falling back to the previous checkpoint.", step, why, dst)
+        "Checkpoint at step %d %s (%s); moved it to %s and falling back to "
+        "the previous checkpoint.", step,
+        "cannot be used" if unusable else "could not be read", why, dst)
     if self._manager is not None:
       self._manager.reload()
 
@@ -395,13 +427,16 @@ def restore_params_newest(directory, step, abstract_params, *, fall_back=True):
   """(step, params) of checkpoint `step` under `directory` (restore_params),
   or, when it cannot be read and `fall_back`, of the newest older one that
   can, saying on stderr which was damaged. CheckpointUnreadable, one line
-  naming the step and why, when none can."""
+  naming the step and why, when none can; CheckpointMismatch (restore_params)
+  when a readable one holds another model."""
   steps = [s for s in committed_steps(directory) if s <= step] if fall_back else [step]
   damaged = []
   for candidate in reversed(steps or [step]):
     try:
       with _failed_reads_stopped():
         params = restore_params(directory, candidate, abstract_params)
+    except CheckpointMismatch:
+      raise  # readable, of another model: no older one would fit either
     except Exception as e:  # pylint: disable=broad-except
       damaged.append(f"step {candidate} ({_first_cause(e)})")
       continue
@@ -423,11 +458,24 @@ def restore_params(directory, step, abstract_params):
 
   `abstract_params` is a pytree of jax.ShapeDtypeStruct with shardings (the
   TrainState's `params`); each process reads the parts its devices hold.
-  Returns the params pytree of jax.Array.
+  Returns the params pytree of jax.Array. The checkpoint's parameters must
+  be exactly those asked, every name and shape (read from its metadata
+  first): CheckpointMismatch, one line naming the first difference, when
+  not (a config.json that describes another model than its checkpoints).
   """
   item = {"params": abstract_params}
+  state_dir = os.path.join(os.path.abspath(atomic.resolved(directory)), str(step), "state")
+  saved = _saved_leaf_shapes(state_dir)
+  if saved is not None:
+    why = _mismatch({k: v for k, v in saved.items() if k.startswith("params/")},
+                    _leaf_shapes(item))
+    if why:
+      raise CheckpointMismatch(
+          f"the checkpoint at step {step} in {directory} does not hold the "
+          f"model asked ({why}); it was left in place. The run's config.json "
+          "must describe the model its checkpoints hold.")
   restored = ocp.PyTreeCheckpointer().restore(
-      os.path.join(os.path.abspath(atomic.resolved(directory)), str(step), "state"),
+      state_dir,
       args=ocp.args.PyTreeRestore(
           item=item,
           restore_args=ocp.checkpoint_utils.construct_restore_args(item),

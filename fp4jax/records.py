@@ -189,6 +189,14 @@ class Resolved:
   model: dict
   recipe: dict
   tokenizer: dict | None = None
+  data: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedData:
+  """the "resolved.data" block of a run's config.json (its data files)"""
+  paths: dict[str, str]
+  validation: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)

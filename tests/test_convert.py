@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -430,6 +431,36 @@ def test_init_from_names_what_does_not_fit(run, tmp_path):
     with pytest.raises(train_config.ConfigError,
                        match="bad config: config.init_from: .*" + message):
       init_from.open_source(path, c)
+
+
+@pytest.mark.parametrize("edit, first", [
+    (dict(n_layers=1), "9 arrays of it are not asked, e.g. params/block_1/"),
+    (dict(n_layers=3), "9 arrays are not in it, e.g. params/block_2/"),
+    (dict(scan_layers=True), "9 arrays are not in it, e.g. params/blocks/")],
+                         ids=["fewer_layers", "more_layers", "scan_layers"])
+def test_a_config_json_that_does_not_describe_the_checkpoint_is_one_line(
+    run, tmp_path, capsys, edit, first):
+  """The run's config.json edited to another model than its 2-layer
+  (unscanned) checkpoint holds: export and init_from refuse in one line
+  naming the first array that differs, and nothing is written."""
+  src = tmp_path / "run"
+  shutil.copytree(run[0], src)
+  config = json.loads((src / "config.json").read_text())
+  config["model"].update(edit)
+  config["resolved"]["model"].update(edit)
+  (src / "config.json").write_text(json.dumps(config))
+  assert export.main(["export", str(src), str(tmp_path / "hf")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err, err
+  assert f"the checkpoint at step {STEPS} in {src}/checkpoints does not hold " \
+      "the model asked" in err and first in err, err
+  assert not os.path.exists(tmp_path / "hf")
+  _, cfg = export.run_config(str(src))
+  with pytest.raises(train_config.ConfigError, match="^bad config: "
+                     "config.init_from: the checkpoint at step .* does not "
+                     "hold the model asked .*" + re.escape(first)):
+    init_from.load(init_from.open_source(str(src), cfg),
+                   hf_llama.abstract_params(cfg), str(src))
 
 
 def test_cli_errors_are_one_line_with_exit_code_2(run, tmp_path, capsys):

@@ -11,12 +11,15 @@ device compiles in half the time, and saves and restores faster).
 import builtins
 import errno
 import json
+import math
 import os
 import re
 import shutil
 import threading
 import time
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -38,7 +41,7 @@ from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.train.metrics_log import read_metrics
 from sharded_runs import on_first_devices
-from tests.helpers import tiny_config
+from tests.helpers import final_state, tiny_config
 
 pytestmark = pytest.mark.slow  # trains (see pyproject's markers)
 
@@ -700,3 +703,119 @@ def test_a_resume_from_another_directory_with_another_tokenizer_is_refused(
   with pytest.raises(errors.UserError, match=r"data.tokenizer: '.*/a/tok/tokenizer.json "
                      r"\(sha256 \w+\)' -> '.*/b/tok/tokenizer.json"):
     trainer.train(config, str(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------------------
+# What a run reads back: its summary, its checkpoints' numbers, its data.
+
+
+def test_a_finished_run_trained_further_and_killed_claims_no_finish(trained,
+                                                                    tmp_path):
+  """The finished 8-step run resumed with steps=12 and killed at step 10:
+  no summary.json says it completed at step 8 (the report counts it
+  unfinished, the ablation runner resumes it), and the rerun writes one."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  assert run_layout.read_summary(str(workdir))["status"] == "completed"
+
+  def kill(step, state, batch):
+    del state, batch
+    if step == 10:
+      raise Killed()
+
+  with pytest.raises(Killed):
+    trainer.train(tiny_config(**STEPS, steps=12), str(workdir), callbacks=[kill])
+  assert run_layout.read_summary(str(workdir)) is None
+  assert not report.load_run(str(workdir), "bf16", None).finished
+  summary = trainer.train(tiny_config(**STEPS, steps=12), str(workdir))
+  assert (summary["status"], summary["step"]) == ("completed", 12)
+  assert run_layout.read_summary(str(workdir))["step"] == 12
+
+
+def _plant_nan(state_dir, leaf):
+  """Writes NaN into the first element of `leaf` (named as
+  checkpointing.leaf_name names it) of the checkpoint item `state_dir`."""
+  checkpointer = ocp.StandardCheckpointer()
+  state = jax.tree.map(np.array, checkpointer.restore(state_dir))
+  *path, last = leaf.split("/")
+  node = state
+  for key in path:
+    node = node[int(key) if isinstance(node, list) else key]
+  node[last].flat[0] = np.nan
+  planted = f"{state_dir}.planted"
+  checkpointer.save(planted, state)
+  checkpointer.wait_until_finished()
+  checkpointer.close()
+  shutil.rmtree(state_dir)
+  os.rename(planted, state_dir)
+
+
+@pytest.mark.parametrize("leaf", ["params/block_0/mlp/down/kernel",
+                                  "opt_state/1/0/nu/head/kernel"],
+                         ids=["params", "adam_nu"])
+def test_a_checkpoint_holding_nan_is_set_aside_and_the_one_before_used(
+    trained, tmp_path, caplog, leaf):
+  """NaN in the newest checkpoint's parameters or Adam state: it is moved to
+  checkpoints_corrupt/ naming the tensor, the run resumes from step 4, and
+  trains on with finite losses to a finite checkpoint."""
+  workdir = tmp_path / "run"
+  shutil.copytree(trained, workdir)
+  _plant_nan(workdir / "checkpoints" / "8" / "state", leaf)
+  summary = trainer.train(tiny_config(**STEPS, steps=12), str(workdir))
+  assert summary["resumed_from_step"] == 4, summary
+  assert (summary["status"], summary["skipped_steps"]) == ("completed", 0)
+  assert os.listdir(workdir / "checkpoints_corrupt") == ["8"]
+  assert ("Checkpoint at step 8 cannot be used (its state holds NaN or Inf in "
+          f"1 tensor(s): {leaf})") in caplog.text
+  assert all(math.isfinite(r["loss"]) for r in read_metrics(str(workdir))
+             if "loss" in r)
+  step, state = final_state(str(workdir))
+  assert step == 12 and checkpointing.non_finite(state) == ""
+
+
+def test_a_run_reads_the_data_it_recorded_from_any_directory(
+    tmp_path, monkeypatch, trained):
+  """A run trained in a/ on data.path 'data/*.txt' and data.val_path
+  'val/*.txt': from b/, whose val/ holds other text, its W4A4 export
+  calibrates on a/'s files (the input scales of an export from a/) and a
+  resume is refused naming the validation files; once a/'s validation files
+  change, the export is refused in one line."""
+  import safetensors  # pylint: disable=import-outside-toplevel
+  del trained  # compiled the programs of its model, which these runs share
+  for folder, text in (("a", "flat is better than nested. "),
+                       ("b", "0 1 2 3 4 5 6 7 8 9 ")):
+    _text_corpus(tmp_path / folder / "data", 6)  # the same training files
+    os.makedirs(tmp_path / folder / "val")
+    for i in range(3):
+      (tmp_path / folder / "val" / f"v{i}.txt").write_text(
+          f"Held out {i}: {text}" * (20 + 7 * i))
+  config = tiny_config(**STEPS)
+  config.data.source, config.data.path = "files", "data/*.txt"
+  config.data.val_path = "val/*.txt"
+  run, w4a4 = str(tmp_path / "run"), dict(quantize="nvfp4", activations="fp4")
+  monkeypatch.chdir(tmp_path / "a")
+  trainer.train(config, run)
+  export.export(run, str(tmp_path / "from_a"), **w4a4)
+  monkeypatch.chdir(tmp_path / "b")
+  export.export(run, str(tmp_path / "from_b"), **w4a4)
+  scales = []
+  for out in ("from_a", "from_b"):  # float32 scales (the weights are FP8, FP4)
+    with safetensors.safe_open(str(tmp_path / out / "model.safetensors"),
+                               "numpy") as f:
+      scales.append({k: f.get_tensor(k) for k in f.keys()
+                     if k.endswith("input_global_scale")})
+  assert scales[0] and scales[0].keys() == scales[1].keys()
+  for name, scale in scales[0].items():
+    np.testing.assert_array_equal(scales[1][name], scale, err_msg=name)
+  config.steps = 12
+  with pytest.raises(errors.UserError, match=r"^the validation data changed "
+                     r"since the checkpoint at step 8 was saved: 3 files "
+                     r"changed size \('v0.txt'.*--override_resume"):
+    trainer.train(config, run)
+  (tmp_path / "a" / "val" / "v1.txt").write_text("Held out 1: changed")
+  with pytest.raises(errors.UserError, match=r"^calibration: the run's "
+                     r"validation files changed since it was trained \(data.path "
+                     r"'.*/a/data/\*.txt', data.val_path '.*/a/val/\*.txt': 1 "
+                     r"file changed size \('v1.txt'.*export without "
+                     r"--activations fp4"):
+    export.export(run, str(tmp_path / "from_b2"), **w4a4)

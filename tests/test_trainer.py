@@ -166,6 +166,25 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
   ckpts.close()
 
 
+def test_a_checkpoint_of_other_array_names_is_refused_and_left_in_place(
+    tmp_path):
+  """A readable checkpoint whose arrays have the shapes asked under other
+  names: CheckpointMismatch naming them; it stays in checkpoints/."""
+  ckpts = checkpointing.Checkpoints(str(tmp_path / "checkpoints"), keep=3,
+                                    async_save=False,
+                                    set_aside_to=str(tmp_path / "corrupt"))
+  ckpts.save(1, {"params": {"a": np.ones(4, np.float32)}}, {"rows": [1]})
+  ckpts.wait()
+  abstract = {"params": {"b": jax.ShapeDtypeStruct((4,), np.float32)}}
+  with pytest.raises(checkpointing.CheckpointMismatch, match=r"^the checkpoint "
+                     r"at step 1 in .* does not fit this config \(1 arrays are "
+                     r"not in it, e.g. params/b; 1 arrays of it are not asked, "
+                     r"e.g. params/a\); it is readable and was left in place"):
+    ckpts.restore_latest(abstract)
+  assert ckpts.steps() == [1] and not os.path.exists(tmp_path / "corrupt")
+  ckpts.close()
+
+
 def _damage(step_dir, kind):
   """Damages one part of a saved checkpoint directory."""
   if kind == "array files removed":

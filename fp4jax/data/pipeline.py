@@ -211,12 +211,13 @@ def validation_batches(data_cfg, tokenizer, *, seq_len, batch_size,
 
 
 def _validation_stream(cfg, tokenizer, max_tokens):
-  """The held-out documents in order as one int32 stream BOS doc EOS BOS ...
+  """(the held-out documents in order as one int32 stream BOS doc EOS BOS
+  ..., the fingerprint of the files they are read from).
 
   Stops after `max_tokens` tokens or at the end of the split, whichever
   comes first (the split is read once, never repeated).
   """
-  documents, _ = sources.open_corpus(cfg, "validation")
+  documents, fingerprint = sources.open_corpus(cfg, "validation")
   if isinstance(documents, grain.MapDataset):
     texts = (documents[i] for i in range(len(documents)))
   else:
@@ -227,7 +228,7 @@ def _validation_stream(cfg, tokenizer, max_tokens):
     total += pieces[-1].size
     if total >= max_tokens:
       break
-  return np.concatenate(pieces)[:max_tokens]
+  return np.concatenate(pieces)[:max_tokens], fingerprint
 
 
 class TooManyBatches(ValueError):
@@ -248,7 +249,9 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   whole stream, so the batch means are alike and their spread gives the
   evaluation's standard error. A function of the config only: the same
   windows for every run, seed and recipe. Process p gets rows p*b .. p*b+b-1.
-  Returns a Windows list, whose `overlap` says when windows overlap (a
+  Returns a Windows list, whose `fingerprint` is that of the validation
+  files (fp4jax.data.fingerprint: what a run records of the text it
+  evaluates on) and whose `overlap` says when windows overlap (a
   validation text shorter than the windows asked): then the batch means are
   not independent and give no standard error. disjoint: raise TooManyBatches
   instead when they would overlap (so the windows never outnumber the
@@ -258,7 +261,8 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
     raise ValueError(f"seq_len ({seq_len}), batch size ({batch_size}) and "
                      f"number of batches ({num_batches}) must be positive.")
   _check_process_split(batch_size, process_index, process_count)
-  stream = _validation_stream(data_cfg, tokenizer, data_cfg.val_tokens)
+  stream, fingerprint = _validation_stream(data_cfg, tokenizer,
+                                          data_cfg.val_tokens)
   length, n = seq_len + 1, batch_size * num_batches
   if stream.size < length:
     raise ValueError(f"the validation split has {stream.size} tokens, fewer "
@@ -278,6 +282,7 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
   mine = windows_BxNxL[process_index * per_process:
                        (process_index + 1) * per_process]
   out = Windows(np.ascontiguousarray(mine[:, i]) for i in range(num_batches))
+  out.fingerprint = fingerprint
   spacing = (stream.size - length) / (n - 1) if n > 1 else math.inf
   if spacing < length:
     out.overlap = (
@@ -289,6 +294,8 @@ def validation_windows(data_cfg, tokenizer, *, seq_len, batch_size,
 
 
 class Windows(list):
-  """validation_windows' batches; `overlap`: "" when the windows are
+  """validation_windows' batches; `fingerprint`: of the files they come
+  from (None when unknown); `overlap`: "" when the windows are
   disjoint, else why their batch means give no standard error."""
   overlap = ""
+  fingerprint = None

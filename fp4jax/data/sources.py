@@ -43,6 +43,11 @@ Without a separate validation set, a document is in validation when a stable
 hash (sha256) of its file path (and line number, for JSON lines) falls below
 data.val_fraction.
 
+Paths: a relative data.path, data.val_path or data.data_dir is read from the
+current directory; a run records them made absolute (`absolute_paths`) with
+the fingerprint of its validation files (fp4jax.data.fingerprint), so what
+reads its data later reads the same files or says that they changed.
+
 Bad files: a file that cannot be read or decoded, a malformed JSON line, a
 record without the text field, or a corpus without any text raises DataError
 naming the file (and line), at start-up where it is cheap to see (every
@@ -496,6 +501,18 @@ def open_tfds(cfg, split):
 
 
 SOURCES = dict(stdlib=open_stdlib, files=open_files, tfds=open_tfds)
+# The keys of each source that name places on disk (absolute_paths).
+PATH_KEYS = dict(stdlib=(), files=("path", "val_path"), tfds=("data_dir",))
+
+
+def absolute_paths(cfg):
+  """{key: absolute path} of the data config's keys that name files or
+  folders (PATH_KEYS: data.path and data.val_path of "files", data.data_dir
+  of "tfds"): "~" expanded, a relative one joined to the current directory
+  ("" stays ""). A run records them, so a later reader of its data (an
+  export's calibration) reads the same files from any directory."""
+  return {k: os.path.abspath(os.path.expanduser(cfg[k])) if cfg[k] else ""
+          for k in PATH_KEYS.get(cfg.source, ())}
 
 
 def open_corpus(cfg, split):

@@ -25,7 +25,9 @@ MXFP4 inputs are quantized dynamically by the engine; NVFP4 inputs need a
 per-tensor scale, calibrated here as fp4jax computes one (max |x| / (6 *
 448)) over the largest input each layer sees in the run's first
 --calibration_batches validation batches (at most the batches of disjoint
-windows the validation set holds), run through the W4A4 forward an engine
+windows the validation set holds; read from the absolute paths the run
+recorded, and refused in one line when those files' names or sizes are no
+longer those it recorded: `run_data_config`), run through the W4A4 forward an engine
 computes from the export (PackedExport.served: the exported weights times
 NVFP4 inputs, rotated only as the export declares); written as
 input_global_scale (its reciprocal, compressed-tensors) or input_scale
@@ -39,6 +41,8 @@ norms, the head and the layers kept in bf16 stay dense, and are named in
 """
 
 import dataclasses
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +50,12 @@ import ml_collections
 import numpy as np
 
 from fp4jax import fprop_operands
+from fp4jax import records
 from fp4jax import recipes
 from fp4jax import schedule
+from fp4jax.data import fingerprint
 from fp4jax.data import pipeline
+from fp4jax.data import sources
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
@@ -286,8 +293,7 @@ def input_amax(config, cfg, recipe, params, n_batches, bounded):
   run's first `n_batches` validation batches, through `recipe`'s forward
   (the input as its Fprop quantizes it: flattened and rotated). bounded:
   refuse more batches than the validation set holds without overlap."""
-  data_cfg = pipeline.data_config()
-  data_cfg.update(config.get("data", {}))
+  data_cfg, recorded = run_data_config(config)
   from fp4jax.data import tokenizers  # pylint: disable=g-import-not-at-top
   try:
     windows = pipeline.validation_windows(
@@ -299,6 +305,15 @@ def input_amax(config, cfg, recipe, params, n_batches, bounded):
     raise ConvertError(f"--calibration_batches {n_batches}: {e}") from e
   except (ValueError, OSError, ImportError) as e:
     raise ConvertError(f"calibration: the run's validation data: {e}") from e
+  changed = recorded and recorded.get("validation") is not None and (
+      fingerprint.changes(recorded["validation"], windows.fingerprint))
+  if changed:
+    shown = ", ".join(f"data.{k} {v!r}" for k, v in recorded["paths"].items() if v)
+    raise ConvertError(
+        "calibration: the run's validation files changed since it was "
+        f"trained ({shown or 'data.source ' + repr(data_cfg.source)}: "
+        f"{changed}), so they are not the text it evaluated on; restore them, "
+        "or export without --activations fp4 (W4A16)")
   cfg, params = _unscanned(cfg, params)
   llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
   rotation = recipe.fprop.hadamard
@@ -327,6 +342,32 @@ def input_amax(config, cfg, recipe, params, n_batches, bounded):
     for name, a in batch_amax(jnp.asarray(window[:, :-1])).items():
       amax[name] = max(amax.get(name, np.float32(0)), np.float32(a))
   return amax
+
+
+def run_data_config(config):
+  """(the data config of a run's config.json as its trainer read it, the
+  run's resolved.data record or None).
+
+  The paths are those the run recorded made absolute (resolved.data.paths:
+  the files it read, from whatever directory this runs in); a run from
+  before they were recorded has its relative paths read from the current
+  directory, with a warning on stderr."""
+  data_cfg = pipeline.data_config()
+  data_cfg.update(config.get("data", {}))
+  recorded = (config.get("resolved") or {}).get("data")
+  if recorded is None:
+    relative = [f"data.{k} {data_cfg[k]!r}" for k in sources.PATH_KEYS.get(
+        data_cfg.source, ()) if data_cfg[k] and not os.path.isabs(
+            os.path.expanduser(data_cfg[k]))]
+    if relative:
+      print(f"fp4jax: warning: the run recorded no absolute data paths; "
+            f"{', '.join(relative)} is read from the current directory "
+            f"{os.getcwd()!r}", file=sys.stderr, flush=True)
+    return data_cfg, None
+  recorded = records.check(records.ResolvedData, recorded,
+                           "the run's config.json: resolved.data")
+  data_cfg.update({k: v for k, v in recorded["paths"].items() if k in data_cfg})
+  return data_cfg, recorded
 
 
 def _unscanned(cfg, params):

@@ -12,7 +12,10 @@ Only the parameters are taken; optimizer state, step and data position
 start fresh. A workdir that already holds a checkpoint resumes from it
 instead. The config's model must have the checkpoint's sizes: `open_source`
 checks config.json and the tensor headers at start-up and names the first
-field or tensor that differs. Loading is sharded: each process reads only the
+field or tensor that differs; a run's checkpoint must hold exactly the
+arrays its config.json describes (checkpointing.restore_params: one line
+naming the first that differs otherwise). The parameters read are refused
+when any holds NaN or Inf (`load`). Loading is sharded: each process reads only the
 blocks its devices hold, so an 8B checkpoint lands on an FSDP mesh without a
 full host copy per process.
 """
@@ -52,7 +55,8 @@ class _RunCheckpoint:
     try:
       return checkpointing.restore_params_newest(
           self.directory, self.step, abstract_params, fall_back=self._fall_back)[1]
-    except checkpointing.CheckpointUnreadable as e:
+    except (checkpointing.CheckpointUnreadable,
+            checkpointing.CheckpointMismatch) as e:
       raise ConfigError(f"bad config: config.init_from: {e}") from None
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from fp4jax.train import adaptive
 from fp4jax.data import pipeline
+from fp4jax.data import sources
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
 from fp4jax.train import profile
@@ -227,6 +228,33 @@ def _restore_data_state(batches, saved, step, workdir, override):
                       " (was batch_size or the data changed?)") from None
 
 
+def _check_validation_data(saved, now, step, workdir, override):
+  """Refuses (ConfigError naming what changed) to evaluate a resumed run on
+  other validation files than those its checkpoint at `step` recorded
+  (resolved.data.validation of the config it carries: names and sizes,
+  fp4jax.data.fingerprint), unless `override`, which goes on with the files
+  there and records that in history/. A checkpoint that recorded none (from
+  before runs did) is not checked."""
+  config = saved.get("config") if isinstance(saved.get("config"), dict) else {}
+  recorded = (config.get("resolved") or {}).get("data")
+  if not isinstance(recorded, dict) or not isinstance(
+      recorded.get("validation"), dict) or now is None:
+    return
+  changed = fingerprint.changes(recorded["validation"], now)
+  if not changed:
+    return
+  if not override:
+    raise ConfigError(
+        f"the validation data changed since the checkpoint at step {step} was "
+        f"saved: {changed}; the run's evaluations are only comparable on the "
+        "files it evaluated on. Restore them, use a new workdir, or pass "
+        "--override_resume to evaluate on these files from here on.")
+  if sharding.is_main_process():
+    dst = workdir_lib.record_override(workdir, {"validation_data": changed})
+    print(f"fp4jax: resuming on changed validation data ({changed}) "
+          f"(override); recorded in {dst}", file=sys.stderr, flush=True)
+
+
 def _evaluate(eval_fn, params, val_batches):
   """{eval_loss: mean over the batches, eval_loss_se: its standard error,
   eval_batch_losses: the batch means}.
@@ -261,7 +289,10 @@ def train(config, workdir, callbacks=(), *, override_resume=False,
   summary["status"]: "completed", "target_reached", "interrupted" (a signal;
   a checkpoint was saved), "diverged" (max_bad_steps non-finite steps in a
   row; the last good checkpoint is kept) or "stalled" (it ran to the end but
-  stopped learning: fp4jax.train.stall; warned in the log when found).
+  stopped learning: fp4jax.train.stall; warned in the log when found). It
+  is written to WORKDIR/summary.json when the run ends; a run that will
+  train removes the one a previous run wrote before its first step
+  (workdir.remove_summary), so a run killed meanwhile has none.
 
   The workdir is locked for the run. A workdir that holds a run of a config
   differing in a key outside workdir.RESUMABLE_KEYS is refused (WorkdirError)
@@ -370,15 +401,18 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
                       data_kind=records.CheckpointData)
   state, controller, tokens_at_start = _first_state(
       config, model_cfg, segment_programs[0], ckpts, batches, init_source,
-      workdir, override_resume)
+      workdir, override_resume, val_local.fingerprint)
   start = int(state.step)
   tokens_at = _TokenCount(start, tokens_at_start,
                           config.batch_size * config.seq_len)
   if main:
     workdir_lib.set_aside_history(workdir, start)
+    if start < config.steps:  # it trains: until it ends, no summary claims it did
+      workdir_lib.remove_summary(workdir)
   n_params = sum(math.prod(x.shape) for x in
                  jax.tree.leaves(abstract.params))
-  resolved = _resolved_config(config, model_cfg, segs, mesh, n_params, start)
+  resolved = _resolved_config(config, model_cfg, segs, mesh, n_params, start,
+                              val_local.fingerprint)
   if main:
     workdir_lib.write_json(run_layout.config_file(workdir), resolved)
   checkpoint_data = functools.partial(_checkpoint_data, batches, controller,
@@ -437,12 +471,15 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
 
 
 def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
-                 workdir, override_resume):
+                 workdir, override_resume, validation):
   """(TrainState, adaptive.Controller or None, tokens trained) to start from.
 
-  The newest readable checkpoint's (which also sets the data position, see
-  _restore_data_state, and the controller's decisions), else a fresh init
-  (with init_source's parameters).
+  The newest usable checkpoint's (which also sets the data position, see
+  _restore_data_state, and the controller's decisions; one that cannot be
+  read, or whose parameters or optimizer state hold NaN or Inf, is set
+  aside: checkpointing.Checkpoints.restore_latest), else a fresh init (with
+  init_source's parameters). validation: the fingerprint of the validation
+  files now (_check_validation_data).
   """
   restored = ckpts.restore_latest(programs.abstract)
   tokens = 0
@@ -454,6 +491,8 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
   else:
     step, state, data_state = restored
     _restore_data_state(batches, data_state, step, workdir, override_resume)
+    _check_validation_data(data_state, validation, step, workdir,
+                           override_resume)
     tokens = _saved_tokens(data_state, step, config)
   controller = None
   if config.adaptive_wgrad.enabled:
@@ -499,13 +538,19 @@ def _checkpoint_data(batches, controller, resolved, tokens_at, step):
   return out
 
 
-def _resolved_config(config, model_cfg, segs, mesh, n_params, start):
-  """The config and what it resolved to (config.json; JSON-ready)."""
+def _resolved_config(config, model_cfg, segs, mesh, n_params, start,
+                     validation):
+  """The config and what it resolved to (config.json; JSON-ready): data
+  holds the data paths made absolute (sources.absolute_paths) and the
+  `validation` files' fingerprint, what a later reader of the run's
+  validation text (an export's calibration) reads and checks."""
   resolved = config.to_dict()
   resolved["resolved"] = dict(
       model=dataclasses.asdict(model_cfg),
       recipe=segs[0].recipe.to_config().to_dict(),
       tokenizer=tokenizers.identity(config.data.tokenizer),
+      data=dict(paths=sources.absolute_paths(config.data),
+                validation=validation),
       n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
       resumed_from_step=start,
       quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])

@@ -18,6 +18,11 @@
   start at step 0; those after the checkpoint's step for a resume) are kept:
   metrics.jsonl, summary.json and config.json are copied to
   WORKDIR/history/<n>/ first, with a message naming it.
+- `remove_summary`: summary.json describes a run that ended; a run that
+  trains again (a finished run resumed with more steps, say) removes it
+  before its first step, so a run killed on the way has none and no reader
+  (the ablation report and runner, `fp4jax.train.run_layout.read_summary`)
+  takes it for finished at the old step.
 
 Every write to an existing file is atomic (fp4jax.train.atomic), and a full
 disk at any of them is one line (errors.DiskFull) that leaves no lock and no
@@ -455,6 +460,18 @@ def set_aside_history(workdir, start_step):
         f"summary.json are kept in {dst}", file=sys.stderr, flush=True)
   return dst
 
+
+
+def remove_summary(workdir):
+  """Removes WORKDIR/summary.json (the file a symbolic link there points to,
+  so the link stays), durably: the removal is one atomic step, and the
+  folder is fsync-ed after it. Nothing to do when there is none."""
+  path = os.path.realpath(run_layout.summary_file(workdir))
+  try:
+    os.remove(path)
+  except FileNotFoundError:
+    return
+  atomic.fsync_dir(os.path.dirname(path))
 
 
 def _keep_records(workdir, extra=None):
