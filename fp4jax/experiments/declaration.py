@@ -144,9 +144,11 @@ def read_record(workdir) -> dict | None:
   return records.read(records.DeclarationRecord, file)
 
 
-def record(workdir, path) -> dict:
-  """Writes WORKDIR/declaration_record.json for `path` unless one exists; returns the record."""
-  load(path)
+def record(workdir, path, check=load) -> dict:
+  """Writes WORKDIR/declaration_record.json for `path` unless one exists; returns the record.
+  `check(path)` first (a study's declaration: `load`; the trend's umbrella
+  declaration, fp4jax.experiments.trend, passes its own)."""
+  check(path)
   existing = read_record(workdir)
   if existing is not None:
     return existing
