@@ -504,6 +504,7 @@ def test_a_corpus_changed_between_stop_and_resume(tmp_path, trained):
            (workdir / "history").glob("*/resume_override.json")]
   assert [n["data"] for n in notes] == [
       "7 of its 10 files gone ('doc3.txt', 'doc4.txt', 'doc5.txt', ...)"]
+  assert notes[0]["validation_data"] == notes[0]["data"]  # val_path: the same files
 
 
 def test_without_config_json_another_recipe_is_refused(tmp_path, trained):

@@ -195,12 +195,13 @@ def _replicated(x, mesh):
   return jax.make_array_from_callback(x.shape, spec, lambda index: x[index])
 
 
-def _restore_data_state(batches, saved, step, workdir, override):
+def _restore_data_state(batches, saved, step, override):
   """Puts the checkpoint's data position (at `step`) into `batches`.
 
   A position saved for other training files is refused (ConfigError naming
-  what changed) unless `override`, which takes it on the files now there and
-  records that in history/ (fp4jax.data.fingerprint).
+  what changed) unless `override`, which takes it on the files now there
+  (fp4jax.data.fingerprint). Returns {"data": what changed} for history/
+  when it did, else {}.
   """
   states = saved["processes"]
   if len(states) != jax.process_count():
@@ -219,40 +220,48 @@ def _restore_data_state(batches, saved, step, workdir, override):
           "--override_resume to continue from that position on these "
           "files.") from None
     batches.set_state(state, other_data=True)
-    if sharding.is_main_process():
-      dst = workdir_lib.record_override(workdir, {"data": str(e)})
-      print(f"fp4jax: resuming on changed training data ({e}) (override); "
-            f"recorded in {dst}", file=sys.stderr, flush=True)
+    return {"data": str(e)}
   except ValueError as e:
     raise ConfigError(f"cannot resume the checkpoint's data position: {e}"
                       " (was batch_size or the data changed?)") from None
+  return {}
 
 
-def _check_validation_data(saved, now, step, workdir, override):
+def _check_validation_data(saved, now, step, override):
   """Refuses (ConfigError naming what changed) to evaluate a resumed run on
   other validation files than those its checkpoint at `step` recorded
   (resolved.data.validation of the config it carries: names and sizes,
   fp4jax.data.fingerprint), unless `override`, which goes on with the files
-  there and records that in history/. A checkpoint that recorded none (from
-  before runs did) is not checked."""
+  there. A checkpoint that recorded none (from before runs did) is not
+  checked. Returns {"validation_data": what changed} for history/ when it
+  did, else {}."""
   config = saved.get("config") if isinstance(saved.get("config"), dict) else {}
   recorded = (config.get("resolved") or {}).get("data")
   if not isinstance(recorded, dict) or not isinstance(
       recorded.get("validation"), dict) or now is None:
-    return
+    return {}
   changed = fingerprint.changes(recorded["validation"], now)
   if not changed:
-    return
+    return {}
   if not override:
     raise ConfigError(
         f"the validation data changed since the checkpoint at step {step} was "
         f"saved: {changed}; the run's evaluations are only comparable on the "
         "files it evaluated on. Restore them, use a new workdir, or pass "
         "--override_resume to evaluate on these files from here on.")
-  if sharding.is_main_process():
-    dst = workdir_lib.record_override(workdir, {"validation_data": changed})
-    print(f"fp4jax: resuming on changed validation data ({changed}) "
-          f"(override); recorded in {dst}", file=sys.stderr, flush=True)
+  return {"validation_data": changed}
+
+
+def _record_data_changes(workdir, changes):
+  """Keeps what --override_resume accepted of the data ({"data": ...,
+  "validation_data": ...}) in one history/<n>/resume_override.json."""
+  if not changes or not sharding.is_main_process():
+    return
+  dst = workdir_lib.record_override(workdir, changes)
+  what = "; ".join(f"{'validation' if k == 'validation_data' else 'training'} "
+                   f"data: {v}" for k, v in changes.items())
+  print(f"fp4jax: resuming on changed {what} (override); recorded in {dst}",
+        file=sys.stderr, flush=True)
 
 
 def _evaluate(eval_fn, params, val_batches):
@@ -490,9 +499,10 @@ def _first_state(config, model_cfg, programs, ckpts, batches, init_source,
           init_source, programs.abstract.params, config.init_from))
   else:
     step, state, data_state = restored
-    _restore_data_state(batches, data_state, step, workdir, override_resume)
-    _check_validation_data(data_state, validation, step, workdir,
-                           override_resume)
+    changes = _restore_data_state(batches, data_state, step, override_resume)
+    changes.update(_check_validation_data(data_state, validation, step,
+                                          override_resume))
+    _record_data_changes(workdir, changes)
     tokens = _saved_tokens(data_state, step, config)
   controller = None
   if config.adaptive_wgrad.enabled:
