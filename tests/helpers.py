@@ -5,15 +5,21 @@ one another.
 """
 
 import dataclasses
+import json
 import os
 import re
+import shutil
+import struct
+import subprocess
+import sys
+import warnings
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fp4jax import backends, checkpointing, recipes
+from fp4jax import backends, checkpointing, errors, recipes
 from fp4jax.backends import native
 from fp4jax.data import tokenizers
 from fp4jax.train import config as train_config
@@ -135,6 +141,128 @@ def final_state(workdir):
   ckpts.close()
   path = os.path.join(workdir, "checkpoints", str(step), "state")
   return step, ocp.StandardCheckpointer().restore(path)
+
+
+# --- exports and what reads them back -----------------------------------------
+# A tiny run to export (tests/test_export_fp4.py, tests/test_tampered_exports.py),
+# its files edited on disk, and how a refusal must look: one line, exit status 2.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPORT_STEPS = 2
+# train.py for one step from --config.init_from, with the model of export_config.
+INIT_FROM = ["train.py", "--config=configs/default.py", "--config.quant=bf16",
+             "--config.model.dim=64", "--config.model.n_layers=2",
+             "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
+             "--config.model.mlp_dim=64", "--config.steps=1",
+             "--config.seq_len=32", "--config.eval_batches=1",
+             "--config.async_checkpointing=False"]
+
+
+def export_config(**overrides):
+  """The config of the run to export: 2 layers, block 0 kept in bf16, bfloat16
+  compute, EXPORT_STEPS steps."""
+  config = tiny_config(**{"steps": EXPORT_STEPS, "eval_every": EXPORT_STEPS,
+                          "checkpoint_every": EXPORT_STEPS, "dtype": "bfloat16",
+                          "async_checkpointing": False, **overrides})
+  config.model.n_layers = 2
+  config.model.bf16_layers = ("block_0",)
+  return config
+
+
+def train_export_run(run_dir):
+  """Trains export_config() into run_dir, on one device."""
+  from fp4jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from sharded_runs import on_first_devices  # pylint: disable=import-outside-toplevel
+  with on_first_devices(1):
+    trainer.train(export_config(), run_dir)
+
+
+def run_with_recipe(trained, run_dir, name):
+  """A copy of run `trained` at run_dir whose config.json records recipe `name`
+  (bfloat16 compute), as its trainer writes it."""
+  import fp4jax  # pylint: disable=import-outside-toplevel
+  shutil.copytree(trained, run_dir)
+  path = os.path.join(run_dir, "config.json")
+  with open(path) as f:
+    config = json.load(f)
+  recipe = dataclasses.replace(fp4jax.recipe(name), compute_dtype="bfloat16")
+  config["resolved"]["recipe"] = recipe.to_config().to_dict()
+  with open(path, "w") as f:
+    json.dump(config, f)
+  return run_dir
+
+
+def cli(*args):
+  """(exit status, stdout + stderr) of `python ARGS` in the repository."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+  return result.returncode, result.stdout + result.stderr
+
+
+def refused(rc, out, *names):
+  """Exit status 2 and one line naming each of `names`, no traceback and
+  no NumPy warning."""
+  assert rc == 2, out[-3000:]
+  assert "Traceback" not in out and "RuntimeWarning" not in out, out[-3000:]
+  line = out.strip().splitlines()[-1]
+  for name in names:
+    assert name in line, (name, out[-3000:])
+
+
+def refused_in_process(call, *names):
+  """call() raises a UserError of one line naming each of `names` (what the
+  CLIs print before exiting with status 2), and warns no RuntimeWarning;
+  returns the line."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with pytest.raises(errors.UserError) as refusal:
+      call()
+  assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [
+      str(w.message) for w in caught]
+  line = str(refusal.value)
+  assert "\n" not in line, line
+  for name in names:
+    assert name in line, (name, line)
+  return line
+
+
+def init_from_refused(tmp_path, bad, *names, process=False):
+  """A one-step run from config.init_from=`bad` (the model of export_config)
+  is refused naming config.init_from and `names`; process: as train.py."""
+  if process:
+    rc, log = cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
+                  f"--config.init_from={bad}")
+    refused(rc, log, "config.init_from", *names)
+    return
+  from fp4jax.train import trainer  # pylint: disable=import-outside-toplevel
+  from sharded_runs import on_first_devices  # pylint: disable=import-outside-toplevel
+  with on_first_devices(1):
+    refused_in_process(lambda: trainer.train(
+        export_config(steps=1, init_from=bad), str(tmp_path / "run")),
+                       "config.init_from", *names)
+
+
+def poke(path, name, raw, index=0):
+  """Writes bytes `raw` over element `index` of tensor `name` of the
+  safetensors file `path`, in place."""
+  with open(path, "r+b") as f:
+    (size,) = struct.unpack("<Q", f.read(8))
+    entry = json.loads(f.read(size))[name]
+    itemsize = {"F32": 4, "U8": 1, "F8_E4M3": 1, "BF16": 2}[entry["dtype"]]
+    f.seek(8 + size + entry["data_offsets"][0] + index * itemsize)
+    f.write(raw)
+
+
+def edited_config(directory, edit, name="config.json"):
+  """Applies edit(dict) to the JSON file `name` (config.json) of `directory`."""
+  path = os.path.join(directory, name)
+  with open(path) as f:
+    config = json.load(f)
+  edit(config)
+  with open(path, "w") as f:
+    json.dump(config, f)
 
 
 # --- the native backend -------------------------------------------------------

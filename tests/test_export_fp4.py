@@ -21,7 +21,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,6 @@ import fp4jax
 from fp4jax import backends
 from fp4jax import checkpointing
 from fp4jax import dot
-from fp4jax import errors
 from fp4jax import recipes
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
@@ -43,13 +41,19 @@ from fp4jax.llama import model as model_lib
 from fp4jax.train import export
 from fp4jax.train import export_fp4
 from fp4jax.train import init_from
-from fp4jax.train import trainer
-from sharded_runs import on_first_devices
-from tests.helpers import tiny_config
+from tests.helpers import EXPORT_STEPS as STEPS
+from tests.helpers import cli as _cli
+from tests.helpers import edited_config as _edited_config
+from tests.helpers import export_config as _config
+from tests.helpers import init_from_refused as _init_from_refused
+from tests.helpers import poke as _poke
+from tests.helpers import refused as _refused
+from tests.helpers import refused_in_process as _refused_in_process
+from tests.helpers import run_with_recipe
+from tests.helpers import train_export_run
 
 pytestmark = pytest.mark.slow  # trains a run; loads torch and transformers
 
-STEPS = 2
 # recipe -> the format its Fprop weight operand is in.
 EXACT = {"nvfp4": "nvfp4", "mxfp4-fprop": "mxfp4", "mxfp4-dh16": "mxfp4",
          "nvfp4-4over6": "nvfp4"}
@@ -68,21 +72,10 @@ def _interop():
   return torch, transformers, compressed_tensors
 
 
-def _config(**overrides):
-  """The config of `trained`: 2 layers, block 0 kept in bf16, bfloat16 compute."""
-  config = tiny_config(**{"steps": STEPS, "eval_every": STEPS,
-                          "checkpoint_every": STEPS, "dtype": "bfloat16",
-                          "async_checkpointing": False, **overrides})
-  config.model.n_layers = 2
-  config.model.bf16_layers = ("block_0",)
-  return config
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   run_dir = str(tmp_path_factory.mktemp("run"))
-  with on_first_devices(1):
-    trainer.train(_config(), run_dir)
+  train_export_run(run_dir)
   return run_dir
 
 
@@ -93,15 +86,7 @@ def runs(trained, tmp_path_factory):
   for name in EXACT | {"bf16": None, "mxfp4-rh16": None}:
     run_dir = str(tmp_path_factory.mktemp(name))
     shutil.rmtree(run_dir)
-    shutil.copytree(trained, run_dir)
-    path = os.path.join(run_dir, "config.json")
-    with open(path) as f:
-      config = json.load(f)
-    recipe = dataclasses.replace(fp4jax.recipe(name), compute_dtype="bfloat16")
-    config["resolved"]["recipe"] = recipe.to_config().to_dict()
-    with open(path, "w") as f:
-      json.dump(config, f)
-    out[name] = run_dir
+    out[name] = run_with_recipe(trained, run_dir, name)
   return out
 
 
@@ -716,86 +701,9 @@ def test_calibration_flags_are_refused_where_they_do_not_apply(runs, tmp_path,
 # refusal is a one-line UserError (what the CLIs print, exiting with status 2);
 # one case of each CLI runs as a process (one CPU device, as a user's laptop),
 # the others in this process (on one device): what they check is the file, not
-# the process.
+# the process (the helpers: tests/helpers.py).
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# train.py for one step from --config.init_from, with the model of `trained`.
-INIT_FROM = ["train.py", "--config=configs/default.py", "--config.quant=bf16",
-             "--config.model.dim=64", "--config.model.n_layers=2",
-             "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
-             "--config.model.mlp_dim=64", "--config.steps=1",
-             "--config.seq_len=32", "--config.eval_batches=1",
-             "--config.async_checkpointing=False"]
 DOWN = "model.layers.1.mlp.down_proj"
-
-
-def _cli(*args):
-  """(exit status, stdout + stderr) of `python ARGS` in the repository."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  env.pop("XLA_FLAGS", None)
-  result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-  return result.returncode, result.stdout + result.stderr
-
-
-def _refused(rc, out, *names):
-  """Exit status 2 and one line naming each of `names`, no traceback and
-  no NumPy warning."""
-  assert rc == 2, out[-3000:]
-  assert "Traceback" not in out and "RuntimeWarning" not in out, out[-3000:]
-  line = out.strip().splitlines()[-1]
-  for name in names:
-    assert name in line, (name, out[-3000:])
-
-
-def _refused_in_process(call, *names):
-  """call() raises a UserError of one line naming each of `names` (what the
-  CLIs print before exiting with status 2), and warns no RuntimeWarning."""
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    with pytest.raises(errors.UserError) as refused:
-      call()
-  assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [
-      str(w.message) for w in caught]
-  line = str(refused.value)
-  assert "\n" not in line, line
-  for name in names:
-    assert name in line, (name, line)
-
-
-def _init_from_refused(tmp_path, bad, *names, process=False):
-  """A one-step run from config.init_from=`bad` (the model of `trained`) is
-  refused naming config.init_from and `names`; process: as train.py."""
-  if process:
-    rc, log = _cli(*INIT_FROM, f"--workdir={tmp_path / 'run'}",
-                   f"--config.init_from={bad}")
-    _refused(rc, log, "config.init_from", *names)
-    return
-  with on_first_devices(1):
-    _refused_in_process(lambda: trainer.train(
-        _config(steps=1, init_from=bad), str(tmp_path / "run")),
-                        "config.init_from", *names)
-
-
-def _poke(path, name, raw, index=0):
-  """Writes bytes `raw` over element `index` of tensor `name` of the
-  safetensors file `path`, in place."""
-  with open(path, "r+b") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    entry = json.loads(f.read(size))[name]
-    itemsize = {"F32": 4, "U8": 1, "F8_E4M3": 1}[entry["dtype"]]
-    f.seek(8 + size + entry["data_offsets"][0] + index * itemsize)
-    f.write(raw)
-
-
-def _edited_config(directory, edit):
-  """Applies edit(dict) to config.json of `directory`."""
-  path = os.path.join(directory, "config.json")
-  with open(path) as f:
-    config = json.load(f)
-  edit(config)
-  with open(path, "w") as f:
-    json.dump(config, f)
 
 
 def test_weights_with_nan_are_refused_before_anything_is_written(trained,

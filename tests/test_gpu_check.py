@@ -314,6 +314,54 @@ def test_the_plan_fits_the_budget_in_priority_order():
   assert gpu_check.QUANTIZE_SIZE ** 2 * 2 >= 2 ** 30  # bf16 bytes
 
 
+def _plan_refused(capsys, *argv):
+  """gpu_plan's line on stderr (the last: argparse prints its usage first) for argv,
+  which exits with status 2."""
+  with pytest.raises(SystemExit) as done:
+    gpu_plan.main(list(argv))
+  err = capsys.readouterr().err
+  assert done.value.code == 2, err
+  assert "Traceback" not in err
+  return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (("--cc", "nan"), ("'nan' is not a compute capability", "MAJOR.MINOR")),
+    (("--cc", "inf"), ("'inf' is not a compute capability",)),
+    (("--cc", "-9.0"), ("'-9.0' is not a compute capability",)),
+    (("--cc", "0"), ("'0' is not a compute capability",)),
+    (("--budget", "-100"), ("argument --budget: '-100': want a positive",)),
+    (("--budget", "0"), ("argument --budget: '0'",)),
+    (("--stages", ""), ("--stages '': no stage named; want at least one of env, ",)),
+    (("--stages", " , "), ("no stage named",)),
+    (("--stages", "env,linear,env"), ("--stages 'env,linear,env': stage 'env' is named "
+                                      "twice; each stage runs once",)),
+    (("--stages", "env nope"), ("unknown stage 'nope'; allowed: env, crosscheck",)),
+], ids=["cc_nan", "cc_inf", "cc_negative", "cc_zero", "budget_negative", "budget_zero",
+        "stages_empty", "stages_blank", "stages_twice", "stages_unknown"])
+def test_the_plan_refuses_what_cannot_be_planned(capsys, argv, names):
+  line = _plan_refused(capsys, *argv)
+  assert line.startswith(("gpu_plan: --stages ", "python -m fp4jax.bench gpu_plan: error: "))
+  for name in names:
+    assert name in line, (name, line)
+
+
+def test_the_plan_leaves_native_out_on_a_jax_that_cannot_run_it(monkeypatch, capsys):
+  """Compute capability 10 on jax < 0.11 (fp4jax.backends.MIN_JAX): the native
+  stage is left out with the backend's own reason, the compile stage kept."""
+  monkeypatch.setattr(backends, "jax_version", lambda: (0, 10, 2))
+  stages, left = gpu_plan.plan(10.0)
+  names = [n for n, _ in stages]
+  assert "native" not in names and "compile" in names, names
+  assert any(l.startswith("native: backend 'native' needs jax >= 0.11") for l in left), left
+  assert not any(l.startswith("backend native") for l in left), left
+  gpu_plan.main(["--cc", "10.0", "--stages", "env,native"])
+  out = capsys.readouterr()
+  assert out.out == "env\t20\n" and "left out: native: backend 'native' needs jax" in out.err
+  monkeypatch.setattr(backends, "jax_version", lambda: (0, 11, 2))
+  assert "native" in [n for n, _ in gpu_plan.plan(10.0)[0]]
+
+
 def test_the_script_prints_its_plan_and_refuses_unknown_arguments():
   env = dict(os.environ, PYTHON=sys.executable)
   done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--plan"], env=env,
@@ -330,7 +378,7 @@ def test_the_script_prints_its_plan_and_refuses_unknown_arguments():
 def test_compile_arms_are_recipe_backend_pairs():
   assert gpu_compile._arms("bf16:xla,mxfp4:native:scaled_matmul") == (
       ("bf16", "xla", None), ("mxfp4", "native", "scaled_matmul"))
-  with pytest.raises(Exception, match="arm 'bf16:nope': want RECIPE:BACKEND"):
+  with pytest.raises(Exception, match="arm 'bf16:nope': unknown backend 'nope'; allowed: "):
     gpu_compile._arms("bf16:nope")
   assert gpu_compile.STEP_CONFIGS["step-125m-scanned"] == ("configs/ablation_gpu.py", True)
 

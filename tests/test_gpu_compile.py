@@ -305,3 +305,59 @@ def test_a_report_without_kernel_binaries_says_so(monkeypatch):
   gpu_compile._add_sass(row, compiled=None)
   assert row.sass_error.startswith("no kernel binaries in jax ")
   assert "SASS not read: no kernel binaries" in gpu_compile.markdown([row])
+
+
+# The command line's arguments, checked before anything needs the CUDA plugin.
+
+
+def _compile_refused(capsys, *argv):
+  """gpu_compile's one line on stderr (the last: argparse prints its usage first)
+  and exit status 2 for argv."""
+  with pytest.raises(SystemExit) as done:
+    gpu_compile.main(list(argv))
+  err = capsys.readouterr().err
+  assert done.value.code == 2, err
+  assert "Traceback" not in err
+  return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("arms, names", [
+    ("mxfp4:native:bogus", ("arm 'mxfp4:native:bogus': unknown native route 'bogus'; "
+                            "allowed: scaled_matmul, scaled_dot",)),
+    ("mxfp4", ("arm 'mxfp4': want RECIPE:BACKEND or RECIPE:native:ROUTE",)),
+    ("mxfp4:native:scaled_dot:x", ("want RECIPE:BACKEND or RECIPE:native:ROUTE",)),
+    ("mxfp4:pallas:scaled_dot", ("a route ('scaled_dot') is for the native backend only",)),
+    ("nope:xla", ("unknown recipe 'nope'; allowed: bf16, ",)),
+    ("mxfp4:cuda", ("unknown backend 'cuda'; allowed: xla, pallas, native, mosaic",)),
+    ("bf16:xla,mxfp4:xla,bf16:xla", ("arm 'bf16:xla': named twice",)),
+    (",", ("no arm in ','",)),
+], ids=["route", "no_backend", "too_many", "route_off_native", "recipe", "backend", "twice",
+        "empty"])
+def test_arms_name_the_part_that_is_wrong(capsys, arms, names):
+  line = _compile_refused(capsys, "--target", "b200", "--arms", arms)
+  assert line.startswith("python -m fp4jax.bench gpu_compile: error: argument --arms: "), line
+  for name in names:
+    assert name in line, (name, line)
+
+
+def test_arms_and_programs_are_checked_against_the_target_before_compiling(capsys):
+  """mosaic (CAPABILITY_MAJOR 9) is refused for the B200 description (10.0), read
+  from its file, without the CUDA plugin; `auto` has no device to pick by."""
+  assert gpu_compile.target_capability("b200") == (10, 0)
+  assert gpu_compile.target_capability("h200") == (9, 0)
+  line = _compile_refused(capsys, "--target", "b200", "--arms", "bf16:xla,mxfp4:mosaic")
+  assert line == ("gpu_compile: --arms: arm 'mxfp4:mosaic': mosaic is for compute "
+                  "capability 9.x only (Hopper); target b200 is 10.0"), line
+  line = _compile_refused(capsys, "--target", "h200", "--arms", "mxfp4:auto")
+  assert "arm 'mxfp4:auto': backend auto picks by this process's device" in line, line
+  gpu_compile.check_arms((("mxfp4", "xla", None),), (10, 0), "b200")
+  line = _compile_refused(capsys, "--target", "b200", "--what", "linear,kernels,linear")
+  assert "argument --what: program 'linear' is named twice" in line, line
+
+
+def test_an_against_file_that_is_not_a_report_is_refused_before_compiling(capsys, tmp_path):
+  path = tmp_path / "other.json"
+  path.write_text('{"rows": [{"program": "linear"}], "device": "x", "versions": {}}')
+  line = _compile_refused(capsys, "--target", "b200", "--against", str(path))
+  assert line.startswith(f"gpu_compile: --against {str(path)!r}: not a gpu_compile report: "
+                         "rows[0] must be an object with the fields program, "), line

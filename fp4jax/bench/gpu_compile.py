@@ -26,7 +26,13 @@ Programs (`--what`, default all):
              (model.scan_layers: one block to compile, not 12)
   block-8b   one Llama 3.1-8B block (remat full, bf16) forward and backward on
              2 x 8192 tokens (one device's micro-batch of configs/llama3_8b_c4.py)
-`--arms` keeps only the listed arms of each program (linear, steps, block).
+`--arms` keeps only the listed arms of each program (linear, steps, block):
+each RECIPE:BACKEND or RECIPE:native:ROUTE (ROUTE one of
+fp4jax.backends.NATIVE_ROUTES), once. Before anything compiles, each arm is
+checked against the installed jax (fp4jax.backends.check_jax) and the
+target's compute capability (read from its description, or the device's):
+a backend module's CAPABILITY_MAJOR names the only GPUs it compiles for
+(`mosaic`: Hopper, 9.x). What is refused exits 2 with one line naming it.
 For every program: compiled or the one-line error, the seconds to lower and
 compile it, the CPU seconds this process (and its children) spent in them (a
 measure a loaded machine changes less) and the machine's load average (1, 5,
@@ -59,7 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp4jax import dot, recipes, sharding
+from fp4jax import backends, dot, recipes, sharding
 from fp4jax.bench import gpu_binary, hlo_stats
 from fp4jax.data import tokenizers
 from fp4jax.llama import model as model_lib
@@ -114,6 +120,44 @@ class Row:
   triton_calls: int = 0  # Pallas kernels compiled by Triton (__gpu$xla.gpu.triton)
   pallas_mma: dict | None = None  # "kernels" rows: SASS matrix instructions of the kernel
   sass_error: str | None = None
+
+
+def target_capability(target):
+  """(major, minor) compute capability of a committed target's description
+  (gpu_targets/TARGET.txtpb), read without the CUDA plugin."""
+  with open(os.path.join(TARGET_DIR, f"{target}.txtpb")) as f:
+    found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s+minor:\s*(\d+)",
+                      f.read())
+  if found is None:
+    raise ValueError(f"{target}.txtpb names no cuda_compute_capability")
+  return int(found.group(1)), int(found.group(2))
+
+
+def check_arms(arms, capability, target):
+  """Raises ValueError (one line) for the first arm whose backend the installed
+  jax cannot run, or that does not compile for compute capability `capability`
+  ((major, minor) of `target`, a name of TARGETS or the device): a backend
+  module's CAPABILITY_MAJOR. `auto` picks by the device this process runs on, so
+  it is refused for a target without one."""
+  for name, backend, route in arms:
+    arm = ":".join(x for x in (name, backend, route) if x)
+    if backend == "auto":
+      if target in TARGETS:
+        raise ValueError(f"arm {arm!r}: backend auto picks by this process's device, "
+                         f"and target {target} has none; name the backend "
+                         f"({', '.join(backends.NAMES)})")
+      continue
+    major = getattr(backends.module(backend), "CAPABILITY_MAJOR", None)
+    if major is not None and capability[0] != major:
+      raise ValueError(f"arm {arm!r}: {backend} is for compute capability {major}.x only "
+                       f"({'Hopper' if major == 9 else 'its GPUs'}); target {target} is "
+                       f"{capability[0]}.{capability[1]}")
+    try:
+      backends.check_jax(backend)
+      if route:
+        backends.check_native_route(route)
+    except ValueError as e:
+      raise ValueError(f"arm {arm!r}: {e}") from None
 
 
 def target_devices(target):
@@ -416,6 +460,10 @@ def _choices(text, allowed):
   if bad or not names:
     raise argparse.ArgumentTypeError(f"unknown program {bad[0] if bad else text!r}; "
                                      f"allowed: {', '.join(allowed)}")
+  twice = [n for i, n in enumerate(names) if n in names[:i]]
+  if twice:
+    raise argparse.ArgumentTypeError(f"program {twice[0]!r} is named twice in {text!r}; "
+                                     "each program compiles once")
   return names
 
 
@@ -432,17 +480,56 @@ def _batches(program, arms, mesh, devices, sass):
 
 def _arms(text):
   """'bf16:xla,mxfp4:native:scaled_matmul' -> ((recipe, backend, route or None), ...)."""
+  routes = [r for r in backends.NATIVE_ROUTES if r != "auto"]
   arms = []
   for item in filter(None, text.split(",")):
-    name, backend, route = (item.split(":") + [None])[:3]
-    if name not in recipes.recipe_names() or backend not in recipes.BACKENDS:
-      raise argparse.ArgumentTypeError(
-          f"arm {item!r}: want RECIPE:BACKEND[:ROUTE] with a recipe of "
-          f"{', '.join(recipes.recipe_names())} and a backend of {', '.join(recipes.BACKENDS)}")
-    arms.append((name, backend, route))
+    parts = item.split(":")
+    name, backend, route = (parts + [None, None])[:3]
+    if len(parts) not in (2, 3):
+      why = ("want RECIPE:BACKEND or RECIPE:native:ROUTE, e.g. mxfp4:pallas or "
+             "mxfp4:native:scaled_dot")
+    elif name not in recipes.recipe_names():
+      why = f"unknown recipe {name!r}; allowed: {', '.join(recipes.recipe_names())}"
+    elif backend not in recipes.BACKENDS:
+      why = f"unknown backend {backend!r}; allowed: {', '.join(recipes.BACKENDS)}"
+    elif route is not None and backend != "native":
+      why = f"a route ({route!r}) is for the native backend only: {name}:native:{route}"
+    elif route is not None and route not in routes:
+      why = (f"unknown native route {route!r}; allowed: {', '.join(routes)} (none: "
+             "the route the formats take)")
+    elif (name, backend, route) in arms:
+      why = f"named twice in {text!r}; each arm compiles once"
+    else:
+      arms.append((name, backend, route))
+      continue
+    raise argparse.ArgumentTypeError(f"arm {item!r}: {why}")
   if not arms:
-    raise argparse.ArgumentTypeError(f"no arm in {text!r}")
+    raise argparse.ArgumentTypeError(f"no arm in {text!r}; want RECIPE:BACKEND[:ROUTE],...")
   return tuple(arms)
+
+
+def _refuse_arms(arms, capability, target):
+  """check_arms, as `gpu_compile: --arms ...` and exit status 2."""
+  try:
+    check_arms(arms, capability, target)
+  except ValueError as e:
+    print(f"gpu_compile: --arms: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_report(report):
+  """Raises ValueError unless `report` has the fields of a gpu_compile report that
+  --against reads."""
+  if not isinstance(report, dict):
+    raise ValueError(f"not a gpu_compile report (a JSON object), got {type(report).__name__}")
+  missing = [k for k in ("device", "versions", "rows") if k not in report]
+  if missing:
+    raise ValueError(f"not a gpu_compile report: field {missing[0]!r} is missing")
+  fields = ("program", "recipe", "backend", "compiled", "error", "gemms")
+  for i, row in enumerate(report["rows"] if isinstance(report["rows"], list) else [None]):
+    if not isinstance(row, dict) or any(k not in row for k in fields):
+      raise ValueError(f"not a gpu_compile report: rows[{i}] must be an object with the "
+                       f"fields {', '.join(fields)}")
 
 
 def _versions():
@@ -482,15 +569,25 @@ def main(argv):
     try:
       with open(args.against) as f:
         against = json.load(f)
+      _check_report(against)
     except (OSError, ValueError) as e:
       print(f"gpu_compile: --against {args.against!r}: {e}", file=sys.stderr)
       sys.exit(2)
+  arms = args.arms or ()
+  if args.target != "device":  # before the CUDA plugin is needed
+    _refuse_arms(arms, target_capability(args.target), args.target)
   try:
     devices = target_devices(args.target)
   except Exception as e:  # pylint: disable=broad-except
     print(f"gpu_compile: cannot get a {args.target} device to compile for: {_one_line(e)} "
           "(install the CUDA plugin: pip install -e \".[gpu-compile]\")", file=sys.stderr)
     sys.exit(2)
+  if args.target == "device":
+    capability = backends.cuda_capability(devices[0])
+    if isinstance(capability, str):
+      print(f"gpu_compile: --target device: {capability}", file=sys.stderr)
+      sys.exit(2)
+    _refuse_arms(arms, capability, f"device ({devices[0].device_kind})")
   mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
   sass = not args.no_sass
   report = dict(target=args.target, device=devices[0].device_kind,

@@ -8,7 +8,9 @@ budget, and every stage or arm left out with the reason. The order is what a
 short call must answer first: correctness, the layer's speed, the train
 step, then the rest. Over the budget, train arms are left out from the last
 (bf16 stays), then stages from the last; exits 1 when even one stage does not
-fit.
+fit. --cc is MAJOR.MINOR (9.0, 10.0), --budget a positive number of
+seconds, --stages each stage once; anything else exits 2 naming what was
+given and what is allowed.
 
   env          the machine
   crosscheck   the quantizers and recipes on the GPU against XLA:CPU, pallas = xla
@@ -17,7 +19,8 @@ fit.
                then mxfp4-dh16 and fp8 on each backend, the newest first (train_arms)
   tests        the kernels' and backends' tests on the GPU
   quantize     the fused quantize kernels on a 1 GiB tensor against a copy
-  native       (compute capability >= 10: block-scaled FP4 units) the native backend
+  native       (compute capability >= 10: block-scaled FP4 units; jax >= 0.11,
+               fp4jax.backends.MIN_JAX) the native backend
   compile      (compute capability >= 10) the deviceless report against the device
 
 Backends: every name of fp4jax.backends.NAMES but `native` (its own stage)
@@ -30,6 +33,7 @@ stopped and the next one starts.
 
 import argparse
 import importlib
+import re
 import sys
 
 from fp4jax import backends
@@ -56,15 +60,17 @@ TRAIN_BOXES_ON = {"mosaic": 15}  # extra seconds per arm on that backend
 
 def train_backends(cc=None):
   """([backend names the check runs], {left-out backend: why}) for compute capability cc
-  (None: any); a backend module's CAPABILITY_MAJOR, where it has one, names its GPUs."""
+  (None: any); a backend module's CAPABILITY_MAJOR, where it has one, names its GPUs.
+  `native` is never among the names (its own stage); it is in `why` when the
+  installed jax cannot run it."""
   names, why = [], {}
   for name in backends.NAMES:
-    if name == "native":
-      continue
     try:
       backends.check_jax(name)
     except ValueError as e:
       why[name] = str(e)
+      continue
+    if name == "native":
       continue
     major = getattr(importlib.import_module(f"fp4jax.backends.{name}"), "CAPABILITY_MAJOR", None)
     if cc is not None and major is not None and int(float(cc)) != major:
@@ -85,12 +91,18 @@ def plan(cc, stages=PRIORITY, budget=BUDGET_S, backend_names=None):
   """([(stage name, box seconds)], [left-out item and why]) for compute capability cc.
 
   Over the budget, train arms are left out from the last (never bf16), then
-  stages from the last, until the boxes fit.
+  stages from the last, until the boxes fit. backend_names: the train
+  backends (default: those the installed jax runs on this GPU, train_backends;
+  given, the native stage is planned whatever the installed jax). Raises
+  ValueError (one line) for a compute capability, a stage list or a budget
+  that `check_args` refuses.
   """
+  check_args(cc, stages, budget)
   if backend_names is None:
     backend_names, why = train_backends(cc)
   else:
     why = {}
+  native_why = why.pop("native", None)
   out, left = [], [f"backend {b}: {w}" for b, w in why.items()]
   left += [f"train_{r}_{b}: the same program as train_{r}_xla" for r, b in sorted(SAME_AS_XLA)
            if b in backend_names and "train" in stages]
@@ -98,6 +110,8 @@ def plan(cc, stages=PRIORITY, budget=BUDGET_S, backend_names=None):
   for name in stages:
     if name in NEEDS_FP4_UNITS and cc < 10:
       left.append(f"{name}: compute capability {cc} < 10 (no block-scaled FP4 units)")
+    elif name == "native" and native_why:
+      left.append(f"native: {native_why}")
     elif name == "train":
       out += [(f"train_{r}_{b}", TRAIN_BOXES[r] + TRAIN_BOXES_ON.get(b, 0))
               for r, b in train_arms(backend_names)]
@@ -124,23 +138,65 @@ def describe(stages, left, budget):
   return lines
 
 
+_CC = re.compile(r"[0-9]{1,3}(\.[0-9]{1,2})?")
+
+
+def check_args(cc, stages, budget):
+  """Raises ValueError (one line naming the value and what is allowed) unless cc
+  is a compute capability (a number >= 1), stages names stages of PRIORITY +
+  OPTIONAL each once (at least one) and budget is a positive number of seconds."""
+  if isinstance(cc, bool) or not isinstance(cc, (int, float)) or not 1 <= cc < 1000:
+    raise ValueError(f"compute capability {cc!r}: want MAJOR.MINOR, e.g. 9.0 or 10.0")
+  allowed = ", ".join(PRIORITY + OPTIONAL)
+  if isinstance(stages, str) or not stages:
+    raise ValueError(f"no stage named; want at least one of {allowed}")
+  for i, name in enumerate(stages):
+    if name not in PRIORITY + OPTIONAL:
+      raise ValueError(f"unknown stage {name!r}; allowed: {allowed}")
+    if name in stages[:i]:
+      raise ValueError(f"stage {name!r} is named twice; each stage runs once")
+  if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+    raise ValueError(f"budget {budget!r}: want a positive number of seconds")
+
+
+def _cc(text):
+  """--cc: MAJOR.MINOR as nvidia-smi prints it (9.0, 10.0, 12.0)."""
+  if not _CC.fullmatch(text.strip()) or float(text) < 1:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a compute capability; want MAJOR.MINOR, e.g. 9.0 or 10.0")
+  return float(text)
+
+
+def _budget(text):
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or value <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: want a positive whole number of seconds")
+  return value
+
+
 def parser():
   p = argparse.ArgumentParser(prog="python -m fp4jax.bench gpu_plan",
                               description=__doc__.splitlines()[0])
-  p.add_argument("--cc", type=float, default=9.0, help="the GPU's compute capability")
-  p.add_argument("--budget", type=int, default=BUDGET_S, help="seconds for all stages")
+  p.add_argument("--cc", type=_cc, default=9.0,
+                 help="the GPU's compute capability, MAJOR.MINOR (9.0, 10.0)")
+  p.add_argument("--budget", type=_budget, default=BUDGET_S,
+                 help="seconds for all stages (> 0)")
   p.add_argument("--stages", default=",".join(PRIORITY),
-                 help=f"comma- or space-separated, in the order to run: {', '.join(PRIORITY)}")
+                 help=f"comma- or space-separated, each once, in the order to run: "
+                      f"{', '.join(PRIORITY + OPTIONAL)}")
   return p
 
 
 def main(argv):
   args = parser().parse_args(argv)
   stages = args.stages.replace(",", " ").split()
-  bad = [s for s in stages if s not in PRIORITY + OPTIONAL]
-  if bad:
-    print(f"gpu_plan: unknown stage {bad[0]!r}; allowed: {', '.join(PRIORITY + OPTIONAL)}",
-          file=sys.stderr)
+  try:
+    check_args(args.cc, stages, args.budget)
+  except ValueError as e:
+    print(f"gpu_plan: --stages {args.stages!r}: {e}", file=sys.stderr)
     sys.exit(2)
   out, left = plan(args.cc, stages, args.budget)
   print("\n".join(f"{name}\t{box}" for name, box in out))

@@ -16,7 +16,10 @@ With scan_layers the blocks are one `blocks/...` tree with a leading layer
 axis. `HfCheckpoint(directory, cfg)` checks a directory (ours or a published
 Llama) against a LlamaConfig and `.load(abstract_params)` puts it on a mesh,
 each process reading only the blocks its devices hold. Bad input raises
-ConvertError, one line naming the tensor or field.
+ConvertError, one line naming the tensor or field; so does a config.json
+that ties the embeddings (tie_word_embeddings) while the lm_head.weight it
+stores differs from the embedding, which readers take differently
+(transformers 4 the embedding, transformers 5 the stored head).
 """
 
 import contextlib
@@ -38,6 +41,7 @@ from fp4jax import sharding as sharding_lib
 
 # safetensors dtype codes we read (converted exactly to float32).
 READ_DTYPES = ("F32", "BF16", "F16")
+TIED_ROWS = 4096  # rows of lm_head compared with the embedding at a time
 CONFIG_FILE = "config.json"  # a Hugging Face model directory's (not a run's)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -334,26 +338,62 @@ class HfCheckpoint:
                          f"({len(missing)} missing, {len(extra)} unexpected "
                          f"for a {cfg.n_layers}-layer Llama)")
     self.table = table
-    self._check_headers()
+    self._check_headers(config_path if tied and "lm_head.weight" in self.files
+                        else None)
 
-  def _check_headers(self):
+  def _check_headers(self, tied_config=None):
+    """Checks each tensor's shape and dtype; with tied_config (the path of a
+    config.json that ties the embeddings while lm_head.weight is stored), that
+    the stored head equals the embedding (_check_tied_head)."""
     shapes = param_shapes(self.cfg)
     with contextlib.ExitStack() as stack:
       handles = self._open(stack)
-      for name, path, layer, layout in self.table:
-        try:
-          view = handles[self.files[name]].get_slice(name)
-        except Exception as e:  # pylint: disable=broad-except
-          raise ConvertError(f"{self.files[name]!r}: tensor {name!r} cannot "
-                             f"be read: {e}") from e
-        shape = shapes[path] if layer is None else shapes[path][1:]
-        want = _hf_shape(layout, shape)
-        if tuple(view.get_shape()) != want or view.get_dtype() not in (
-            READ_DTYPES):
-          raise ConvertError(
-              f"{self.files[name]!r}: tensor {name!r} is "
-              f"{view.get_dtype()}{list(view.get_shape())}; expected shape "
-              f"{list(want)} and a dtype in {READ_DTYPES}")
+      self._check_shapes(handles, shapes)
+      if tied_config:
+        self._check_tied_head(handles, tied_config)
+
+  def _check_tied_head(self, handles, config_path):
+    """ConvertError unless the stored lm_head.weight equals the embedding.
+
+    With tie_word_embeddings true and both tensors stored, readers disagree
+    when they differ: transformers 4 ties the head to the embedding (the
+    stored head is dropped), transformers 5 keeps the stored head. Equal
+    tensors read the same either way; read TIED_ROWS rows at a time.
+    """
+    head, embed = (handles[self.files[n]].get_slice(n)
+                   for n in ("lm_head.weight", _EMBED[1]))
+    rows = head.get_shape()[0]
+    for start in range(0, rows, TIED_ROWS):
+      stop = min(start + TIED_ROWS, rows)
+      a = np.asarray(head[start:stop], np.float32)
+      b = np.asarray(embed[start:stop], np.float32)
+      differ = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+      if differ.any():
+        r, c = (int(i) for i in np.argwhere(differ)[0])
+        raise ConvertError(
+            f"{config_path}: tie_word_embeddings is true, yet the stored "
+            f"lm_head.weight differs from {_EMBED[1]} (first at [{start + r}, "
+            f"{c}]: {a[r, c]:g} against {b[r, c]:g}), and readers disagree on "
+            "such a checkpoint (transformers 4 uses the embedding as the head, "
+            "transformers 5 the stored head); set tie_word_embeddings to "
+            "false to read the stored head, or remove lm_head.weight to tie "
+            "them")
+
+  def _check_shapes(self, handles, shapes):
+    for name, path, layer, layout in self.table:
+      try:
+        view = handles[self.files[name]].get_slice(name)
+      except Exception as e:  # pylint: disable=broad-except
+        raise ConvertError(f"{self.files[name]!r}: tensor {name!r} cannot "
+                           f"be read: {e}") from e
+      shape = shapes[path] if layer is None else shapes[path][1:]
+      want = _hf_shape(layout, shape)
+      if tuple(view.get_shape()) != want or view.get_dtype() not in (
+          READ_DTYPES):
+        raise ConvertError(
+            f"{self.files[name]!r}: tensor {name!r} is "
+            f"{view.get_dtype()}{list(view.get_shape())}; expected shape "
+            f"{list(want)} and a dtype in {READ_DTYPES}")
 
   def _open(self, stack):
     return {path: stack.enter_context(_safe_open(path))
