@@ -231,3 +231,18 @@ def test_the_report_of_a_moved_study_reads_its_own_declaration(tmp_path, monkeyp
   assert report.main(["report", str(copy)]) == 2
   assert ("names the declaration 'study/DECLARATION.json' (a path from where the study's "
           "first run started), not found from here") in capsys.readouterr().err
+
+
+def test_the_report_of_an_arm_study_keeps_the_arms_order(tmp_path):
+  """An arm study records no recipes (ablation.recipes is ""): its redrawn
+  table lists the arms in the order of its arms.json, as the runner did."""
+  study = tmp_path / "study"
+  for name in ("fp8", "W", "D"):
+    write_finished_run(str(study / name), _config())
+  (study / study_config.RECORD).write_text(json.dumps(
+      {"ablation": {"recipes": "", "arms": "fp8; W=fp8; D=fp8", "declaration": ""}}))
+  (study / "arms.json").write_text(json.dumps(
+      {name: {"spec": name, "recipe": "fp8"} for name in ("fp8", "W", "D")}))
+  assert report.main(["report", str(study)]) == 0
+  table = (study / "table.md").read_text()
+  assert table.index("| fp8 |") < table.index("| W |") < table.index("| D |")

@@ -1,10 +1,13 @@
 """Tokens-to-target on synthetic validation curves."""
 
+import json
 import math
+import os
 
 import pytest
 
-from fp4jax.experiments.tokens_to_target import overhead, tokens_to_target
+from fp4jax.experiments import report
+from fp4jax.experiments.tokens_to_target import median_with_misses, overhead, tokens_to_target
 
 
 def test_interpolates_between_evaluations():
@@ -61,3 +64,48 @@ def test_overhead():
   assert overhead(127.0, 100.0) == pytest.approx(0.27)
   assert overhead(None, 100.0) is None
   assert overhead(100.0, None) is None
+
+
+def test_median_with_misses_known_answers():
+  assert median_with_misses([0.1, 0.3, 0.2]) == pytest.approx(0.2)
+  assert median_with_misses([0.1, None, 0.2]) == pytest.approx(0.2)  # 0.1, 0.2, never
+  assert median_with_misses([0.3, 0.1, None, 0.2]) == pytest.approx(0.25)  # (0.2 + 0.3) / 2
+  assert median_with_misses([0.1, None, 0.2, None]) is None  # half never reached
+  assert median_with_misses([None]) is None and median_with_misses([]) is None
+
+
+def _run(workdir, name, losses, tokens_per_eval=100):
+  path = os.path.join(workdir, name)
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, loss in enumerate(losses):
+      f.write(json.dumps({"step": i, "tokens": i * tokens_per_eval, "eval_loss": loss}) + "\n")
+  with open(os.path.join(path, "summary.json"), "w") as f:
+    json.dump({"status": "completed"}, f)
+
+
+def test_the_table_gives_the_median_over_seeds_with_a_miss_counted_as_never(tmp_path):
+  """fp8 reaches its final loss 2.0 at 300 tokens on every seed; `slow` at 330
+  (+10%), 360 (+20%) and never: the median is +20% (the mean over the seeds
+  that reached it, +15%, would hide the miss); two misses of three: undefined."""
+  workdir = str(tmp_path)
+  for seed in range(3):
+    _run(workdir, f"fp8_seed{seed}", [5.0, 4.0, 3.0, 2.0])
+  _run(workdir, "slow_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
+  _run(workdir, "slow_seed1", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=120)
+  _run(workdir, "slow_seed2", [5.0, 4.0, 3.0, 2.5])
+  _run(workdir, "stuck_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
+  _run(workdir, "stuck_seed1", [5.0, 4.0, 3.0, 2.5])
+  _run(workdir, "stuck_seed2", [5.0, 4.0, 3.0, 2.5])
+  rows, targets, diverge = report.summarize(report.load_runs(workdir), "fp8")
+  by = {r.recipe: r for r in rows}
+  assert by["fp8"].overhead == 0.0 and by["fp8"].tokens == pytest.approx(300.0)
+  assert by["slow"].overhead == pytest.approx(0.2) and by["slow"].tokens == pytest.approx(360.0)
+  assert by["slow"].reached == 2
+  assert by["stuck"].overhead is None and by["stuck"].tokens is None and by["stuck"].reached == 1
+  path = tmp_path / "table.md"
+  report.write_table(str(path), rows, targets, diverge, "note")
+  table = path.read_text()
+  assert "| 360 (2/3 reached) | +20.0% |" in table
+  assert "| undefined (1/3 reached) | - |" in table
+  assert "median over the seeds, a seed that never reached the target counted as never" in table

@@ -118,14 +118,17 @@ def load_runs(workdir, recipes=None) -> dict:
 
 @dataclasses.dataclass
 class Row:
-  """One recipe's line of the table (means and spreads over its seeds)."""
+  """One recipe's line of the table: final_loss and delta_loss are (mean,
+  spread) over its seeds; tokens and overhead the median over its seeds, a
+  seed that never reached the target counted as never (None: undefined, half
+  or more did not reach it; ttt.median_with_misses)."""
   recipe: str
   n: int
   final_loss: tuple
   delta_loss: tuple | None
-  tokens: tuple | None
+  tokens: float | None
   reached: int
-  overhead: tuple | None
+  overhead: float | None
   diverged: int
   skipped: int
   wall_s: float | None
@@ -155,7 +158,9 @@ def summarize(runs, baseline="fp8", target=None, diverge_loss=None, target_at=1.
   target the baseline reaches before its budget ends leaves the other recipes
   room to reach it too (the paper's runs stop at the MLPerf target). Overhead is
   against the same seed's baseline tokens; a seed without a baseline run uses
-  the mean target and tokens.
+  the mean target and tokens. Tokens and overhead are medians over the seeds,
+  a run that never reached the target counted as never (undefined when half
+  or more did not reach it), not means over the runs that reached it.
   diverge_loss: a finished run ending above it is diverged; default halfway
   between the baseline's first and final validation loss (a run that gave
   back half of what training gained). A run with a non-finite loss, or that
@@ -189,17 +194,20 @@ def summarize(runs, baseline="fp8", target=None, diverge_loss=None, target_at=1.
   for recipe, rs in runs.items():
     outs = outcomes[recipe]
     reached = [o.tokens for o in outs if o.tokens is not None]
-    overheads = [ttt.overhead(o.tokens, base_tokens.get(r.seed, mean_base_tokens))
-                 for r, o in zip(rs, outs) if o.tokens is not None]
-    overheads = [x for x in overheads if x is not None]
+    overheads = []  # per seed; None: never reached (a reached run without a baseline: left out)
+    for r, o in zip(rs, outs):
+      extra = None if o.tokens is None else ttt.overhead(
+          o.tokens, base_tokens.get(r.seed, mean_base_tokens))
+      if o.tokens is None or extra is not None:
+        overheads.append(extra)
     walls = [r.wall_s for r in rs if r.wall_s is not None]
     deltas = [r.final_loss - base_final[r.seed] for r in rs if r.seed in base_final]
     rows.append(Row(
         recipe=recipe, n=len(rs),
         final_loss=_mean_spread([r.final_loss for r in rs]),
         delta_loss=_mean_spread(deltas) if deltas else None,
-        tokens=_mean_spread(reached) if reached else None, reached=len(reached),
-        overhead=_mean_spread(overheads) if overheads else None,
+        tokens=ttt.median_with_misses(o.tokens for o in outs), reached=len(reached),
+        overhead=ttt.median_with_misses(overheads),
         diverged=sum(o.diverged or r.status == "diverged" for o, r in zip(outs, rs)),
         skipped=sum(r.skipped_steps for r in rs),
         wall_s=float(np.mean(walls)) if walls else None,
@@ -234,21 +242,25 @@ def write_table(path, rows, targets, diverge_loss, note, diag=None, sections=(),
       f"same seed's baseline tokens - 1; diverged = non-finite loss, stopped on "
       f"non-finite steps, or final loss > "
       f"{diverge_loss if diverge_loss is None else round(diverge_loss, 4)}."
-      + (f" Values: mean ± std over {seeds} seeds." if seeds > 1 else ""), "",
+      + (f" Final val loss and vs baseline: mean ± std over {seeds} seeds; tokens to target "
+         "and overhead: the median over the seeds, a seed that never reached the target "
+         "counted as never (undefined when half or more did not reach it)."
+         if seeds > 1 else ""), "",
       "| recipe | final val loss | vs baseline (same seed) | tokens to target "
       "| overhead vs baseline | diverged? | skipped steps | wall time (s) "
       "| paper (8B, C4): extra tokens vs FP8 |",
       "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    tokens = _fmt(r.tokens, ",.0f")
+    tokens = "undefined" if r.tokens is None else f"{r.tokens:,.0f}"
     if r.reached < r.n:
       tokens = "not reached" if not r.reached else f"{tokens} ({r.reached}/{r.n} reached)"
+    overhead = "-" if r.overhead is None else f"{100 * r.overhead:+.1f}%"
     diverged = ("yes" if r.diverged == r.n else f"{r.diverged}/{r.n}") if r.diverged else "no"
     unfinished = "" if r.finished == r.n else f" (running: {r.n - r.finished}/{r.n})"
     lines.append(
         f"| {r.recipe}{unfinished} | {_fmt(r.final_loss, '.4f')} | "
         f"{_fmt(r.delta_loss, '+.4f')} | {tokens} | "
-        f"{_fmt(r.overhead, '+.1f', 100, '%')} | {diverged} | "
+        f"{overhead} | {diverged} | "
         f"{r.skipped} | {'-' if r.wall_s is None else f'{r.wall_s:.0f}'} | "
         f"{PAPER.get(r.recipe, '')} |")
   lines += diag_table("Wgrad error diagnostics (mean over measured steps and layers):", diag)
@@ -648,6 +660,19 @@ def _study_declaration(workdir, recorded):
   return recorded
 
 
+def _recorded_order(workdir, ab):
+  """The recipes or arms in the order the study ran them (its table's row
+  order): ablation_config.json's recipes, else (an arm study records none)
+  the keys of its arms.json; None: sorted by name."""
+  names = [r for r in ab.get("recipes", "").split(",") if r]
+  path = os.path.join(workdir, "arms.json")
+  if not names and os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      arms = json.load(f)
+    names = list(arms) if isinstance(arms, dict) else []
+  return names or None
+
+
 def _redraw(workdir, opts):
   if not os.path.isdir(workdir):
     raise errors.UserError(f"{workdir!r} is not a directory; give the "
@@ -659,7 +684,7 @@ def _redraw(workdir, opts):
                        f"{where}: diagnostics")
   target = opts.get("target", ab.get("target_loss"))
   write_report(
-      workdir, ab["recipes"].split(",") if "recipes" in ab else None,
+      workdir, _recorded_order(workdir, ab),
       baseline=opts.get("baseline", ab.get("baseline", "fp8")),
       target=None if target is None else float(target),
       diverge_loss=ab.get("diverge_loss"), zoom=ab.get("zoom", 0.5),

@@ -2,7 +2,9 @@
 
 A curve is the list of evaluations of one run: tokens consumed (increasing) and
 the validation loss there. The tokens at which the target is first reached are
-interpolated linearly between the two evaluations around the crossing.
+interpolated linearly between the two evaluations around the crossing. Over
+seeds, `median_with_misses` is the median with a seed that never reached the
+target counted as never (+infinity).
 """
 
 import dataclasses
@@ -64,3 +66,14 @@ def overhead(tokens, baseline_tokens) -> float | None:
       baseline_tokens <= 0):
     return None
   return tokens / baseline_tokens - 1.0
+
+
+def median_with_misses(values) -> float | None:
+  """The median over seeds of `values`, a seed that never reached the target
+  (None) counted as +infinity; None when no seed ran or half or more did
+  not reach it (the median would then be infinite or straddle infinity)."""
+  values = list(values)
+  misses = sum(v is None for v in values)
+  if not values or 2 * misses >= len(values):
+    return None
+  return float(np.median([math.inf if v is None else float(v) for v in values]))
