@@ -337,3 +337,15 @@ def jaxpr_equations(jaxpr):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
           yield from jaxpr_equations(inner)
+
+
+def fake_run(workdir, name, losses, status="completed", tokens_per_eval=100):
+  """A finished run's records for the report: WORKDIR/NAME/metrics.jsonl with one
+  eval row per loss (step i at i * tokens_per_eval tokens) and summary.json."""
+  path = os.path.join(workdir, name)
+  os.makedirs(path)
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    for i, loss in enumerate(losses):
+      f.write(json.dumps({"step": i, "tokens": i * tokens_per_eval, "eval_loss": loss}) + "\n")
+  with open(os.path.join(path, "summary.json"), "w") as f:
+    json.dump({"status": status}, f)

@@ -10,6 +10,7 @@ import pytest
 from fp4jax.experiments import ablation
 from fp4jax.experiments import declaration
 from fp4jax.experiments import report
+from tests.helpers import fake_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,24 +121,14 @@ def test_bad_recipe_or_missing_baseline_fails_at_start():
     [a.name for a in ablation.arm_list(config)]
 
 
-def _fake_run(workdir, name, losses, status="completed", tokens_per_eval=100):
-  path = os.path.join(workdir, name)
-  os.makedirs(path)
-  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-    for i, loss in enumerate(losses):
-      f.write(json.dumps({"step": i, "tokens": i * tokens_per_eval, "eval_loss": loss}) + "\n")
-  with open(os.path.join(path, "summary.json"), "w") as f:
-    json.dump({"status": status}, f)
-
-
 def test_report_on_synthetic_runs(tmp_path):
   workdir = str(tmp_path)
-  _fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0])
-  _fake_run(workdir, "fp8_seed1", [5.0, 4.0, 3.0, 2.0])
-  _fake_run(workdir, "mxfp4_seed0", [5.0, 4.5, 3.5, 2.5, 1.5])
-  _fake_run(workdir, "mxfp4_seed1", [5.0, 4.0, 3.0, 2.5, 2.0])
-  _fake_run(workdir, "mxfp4-sr_seed0", [5.0, 4.5, float("nan")])
-  _fake_run(workdir, "mxfp4-sr_seed1", [5.0, 4.5, 4.2], status="diverged")
+  fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0])
+  fake_run(workdir, "fp8_seed1", [5.0, 4.0, 3.0, 2.0])
+  fake_run(workdir, "mxfp4_seed0", [5.0, 4.5, 3.5, 2.5, 1.5])
+  fake_run(workdir, "mxfp4_seed1", [5.0, 4.0, 3.0, 2.5, 2.0])
+  fake_run(workdir, "mxfp4-sr_seed0", [5.0, 4.5, float("nan")])
+  fake_run(workdir, "mxfp4-sr_seed1", [5.0, 4.5, 4.2], status="diverged")
   rows = report.write_report(workdir, ["fp8", "mxfp4", "mxfp4-sr"])
   by = {r.recipe: r for r in rows}
   assert by["fp8"].tokens == 300.0 and by["fp8"].n == 2
@@ -160,10 +151,10 @@ def test_runs_are_compared_with_the_same_seeds_baseline(tmp_path):
   """Each seed has its own target and baseline tokens: a recipe 25% slower
   than fp8 on every seed shows +25% with no spread, whatever the seeds do."""
   workdir = str(tmp_path)
-  _fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=100)
-  _fake_run(workdir, "fp8_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=100)
-  _fake_run(workdir, "mxfp4_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=125)
-  _fake_run(workdir, "mxfp4_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=125)
+  fake_run(workdir, "fp8_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=100)
+  fake_run(workdir, "fp8_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=100)
+  fake_run(workdir, "mxfp4_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=125)
+  fake_run(workdir, "mxfp4_seed1", [6.0, 5.0, 4.0, 3.0], tokens_per_eval=125)
   rows, targets, _ = report.summarize(report.load_runs(workdir), "fp8")
   assert targets == {0: 2.0, 1: 3.0}
   mxfp4 = {r.recipe: r for r in rows}["mxfp4"]
@@ -178,8 +169,8 @@ def test_runs_are_compared_with_the_same_seeds_baseline(tmp_path):
 ], ids=["recipe", "baseline", "no-evaluation"])
 def test_the_report_on_runs_of_one_row(tmp_path, fp8, mxfp4, capsys):
   workdir = str(tmp_path)
-  _fake_run(workdir, "fp8_seed0", fp8)
-  _fake_run(workdir, "mxfp4_seed0", mxfp4)
+  fake_run(workdir, "fp8_seed0", fp8)
+  fake_run(workdir, "mxfp4_seed0", mxfp4)
   if not mxfp4:
     (tmp_path / "mxfp4_seed0" / "metrics.jsonl").write_text(
         json.dumps({"step": 1, "tokens": 100, "loss": 5.0}) + "\n")

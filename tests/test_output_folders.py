@@ -325,7 +325,7 @@ def test_a_study_writes_only_into_its_own_results_folder(workdir, tmp_path, monk
   assert _files(res) == before and not os.path.exists(work)
   os.remove(res / "table.md")
   (res / "curves.png").symlink_to(os.path.join(workdir, "a", "metrics.jsonl"))
-  with pytest.raises(errors.UserError, match="curves.png is a symbolic link"):
+  with pytest.raises(errors.UserError, match="curves.png' is a symbolic link"):
     ablation.run_ablation(config, work, str(res))
   # The study's own folder: its record, its report, its published runs.
   os.remove(res / "curves.png")

@@ -1,13 +1,12 @@
 """Tokens-to-target on synthetic validation curves."""
 
-import json
 import math
-import os
 
 import pytest
 
 from fp4jax.experiments import report
 from fp4jax.experiments.tokens_to_target import median_with_misses, overhead, tokens_to_target
+from tests.helpers import fake_run
 
 
 def test_interpolates_between_evaluations():
@@ -74,29 +73,19 @@ def test_median_with_misses_known_answers():
   assert median_with_misses([None]) is None and median_with_misses([]) is None
 
 
-def _run(workdir, name, losses, tokens_per_eval=100):
-  path = os.path.join(workdir, name)
-  os.makedirs(path)
-  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-    for i, loss in enumerate(losses):
-      f.write(json.dumps({"step": i, "tokens": i * tokens_per_eval, "eval_loss": loss}) + "\n")
-  with open(os.path.join(path, "summary.json"), "w") as f:
-    json.dump({"status": "completed"}, f)
-
-
 def test_the_table_gives_the_median_over_seeds_with_a_miss_counted_as_never(tmp_path):
   """fp8 reaches its final loss 2.0 at 300 tokens on every seed; `slow` at 330
   (+10%), 360 (+20%) and never: the median is +20% (the mean over the seeds
   that reached it, +15%, would hide the miss); two misses of three: undefined."""
   workdir = str(tmp_path)
   for seed in range(3):
-    _run(workdir, f"fp8_seed{seed}", [5.0, 4.0, 3.0, 2.0])
-  _run(workdir, "slow_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
-  _run(workdir, "slow_seed1", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=120)
-  _run(workdir, "slow_seed2", [5.0, 4.0, 3.0, 2.5])
-  _run(workdir, "stuck_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
-  _run(workdir, "stuck_seed1", [5.0, 4.0, 3.0, 2.5])
-  _run(workdir, "stuck_seed2", [5.0, 4.0, 3.0, 2.5])
+    fake_run(workdir, f"fp8_seed{seed}", [5.0, 4.0, 3.0, 2.0])
+  fake_run(workdir, "slow_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
+  fake_run(workdir, "slow_seed1", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=120)
+  fake_run(workdir, "slow_seed2", [5.0, 4.0, 3.0, 2.5])
+  fake_run(workdir, "stuck_seed0", [5.0, 4.0, 3.0, 2.0], tokens_per_eval=110)
+  fake_run(workdir, "stuck_seed1", [5.0, 4.0, 3.0, 2.5])
+  fake_run(workdir, "stuck_seed2", [5.0, 4.0, 3.0, 2.5])
   rows, targets, diverge = report.summarize(report.load_runs(workdir), "fp8")
   by = {r.recipe: r for r in rows}
   assert by["fp8"].overhead == 0.0 and by["fp8"].tokens == pytest.approx(300.0)

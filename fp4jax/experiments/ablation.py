@@ -364,15 +364,8 @@ def check_study_folder(folder, what):
   over only its own files."""
   if not os.path.isdir(folder):
     return
-  for name in STUDY_FILES:
-    path = os.path.join(folder, name)
-    if os.path.islink(path):
-      raise errors.UserError(
-          f"{what} {folder!r}: {name} is a symbolic link to {os.readlink(path)!r}; the "
-          "study does not write through it: remove the link")
-    if os.path.isdir(path):
-      raise errors.UserError(f"{what} {folder!r}: {name} is a folder; the study writes "
-                             "a file there: move it, or give another folder")
+  run_layout.check_files_written([os.path.join(folder, n) for n in STUDY_FILES],
+                                 "the study")
   if is_study_folder(folder):
     return
   theirs = [n for n in STUDY_FILES if os.path.exists(os.path.join(folder, n))]

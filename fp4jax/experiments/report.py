@@ -599,14 +599,7 @@ def check_report_files(workdir, run_paths):
   the file it points to."""
   paths = [os.path.join(workdir, n) for n in REPORT_FILES] + [
       os.path.join(p, DIAGNOSTICS) for p in run_paths]
-  for path in paths:
-    if os.path.islink(path):
-      raise errors.UserError(
-          f"{path!r} is a symbolic link to {os.readlink(path)!r}; the report does not "
-          "write through it: remove the link")
-    if os.path.isdir(path):
-      raise errors.UserError(f"{path!r} is a folder; the report writes a file there: "
-                             "move it")
+  run_layout.check_files_written(paths, "the report")
 
 
 _USAGE = ("usage: python -m fp4jax.experiments.report WORKDIR [--target=LOSS] "

@@ -105,6 +105,20 @@ def output_path(path, what):
   return atomic.resolved(path)
 
 
+def check_files_written(paths, who):
+  """errors.UserError (one line) before anything is written when one of the
+  files `paths` that `who` ("the study", "the report") writes is a symbolic
+  link (it would write through it, over the file it points to) or a folder."""
+  for path in paths:
+    if os.path.islink(path):
+      raise errors.UserError(
+          f"{path!r} is a symbolic link to {os.readlink(path)!r}; {who} does not "
+          "write through it: remove the link")
+    if os.path.isdir(path):
+      raise errors.UserError(f"{path!r} is a folder; {who} writes a file there: "
+                             "move it, or give another folder")
+
+
 def is_published_run(path):
   """True when `path` holds a run's records without its checkpoints, as a
   study publishes them: metrics.jsonl and a config.json the trainer wrote
