@@ -12,7 +12,7 @@ quantized dot_general), backends/ (xla, pallas, native, mosaic) and kernels, fla
 (adapters), residuals (quantized residuals), fprop_operands (a layer's Fprop
 operands outside a forward), diagnostics (per-role error statistics),
 schedule (precision that changes during a run), sharding (mesh and axis
-rules), checkpointing (orbax), records (the JSON files read back), errors
+rules), shard_local (kernel backends per device's shard), checkpointing (orbax), records (the JSON files read back), errors
 (one-line user errors); llama/ (the model), data/, train/ (the trainer),
 experiments/ (studies), bench/ (benchmarks), maxtext/; command lines: convert
 (export / import) and plot.

@@ -33,6 +33,12 @@ arguments (bitwise an unquantized model, gradients included);
 lax.dot_general rounded once, the route every quantized GEMM takes (why and
 how fast: docs/recipes.md, "Layout, padding, randomness" and the top).
 
+Sharding: `specs=(lhs_spec, rhs_spec)` (PartitionSpecs over the mesh of
+jax.set_mesh) says how the operands are laid out; a backend XLA cannot
+partition (kernels: pallas, mosaic) then quantizes and multiplies each
+device's shard (fp4jax.shard_local; dY is laid out as Fprop's output, and a
+GEMM that would split a block is refused). Other backends ignore it.
+
 Adaptive Wgrad (fp4jax.train.adaptive): `dot_general(recipe,
 switch_wgrad_to=gemm)` takes a runtime boolean `wgrad_switched`; where it is
 true the backward computes Wgrad with `gemm` (one lax.cond: only the chosen
@@ -48,7 +54,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from fp4jax import backends, residuals
+from fp4jax import backends, residuals, shard_local
 from fp4jax.numerics import formats
 from fp4jax.numerics import hadamard
 from fp4jax.numerics import operand
@@ -103,12 +109,14 @@ def _operand_keys(gemm: Gemm, key, layer_key):
 
 
 def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out_dtype,
-          out_sharding=None, saved_lhs=None):
+          out_sharding=None, saved_lhs=None, specs=None, role="gemm"):
   """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says.
 
   saved_lhs: the lhs as _save_lhs stored it (a residuals.Saved; then `a` is
   only its shape, e.g. a jax.ShapeDtypeStruct), restored instead of
-  quantizing `a`.
+  quantizing `a`. specs: (a's Spec, b's Spec) (fp4jax.shard_local) or None; a
+  backend that XLA cannot partition runs its kernels per shard of them (role
+  names the GEMM in a refusal).
   """
   if gemm.is_plain:
     return _plain_gemm(a, b, dims, recipe.plain_route, precision, out_dtype, out_sharding)
@@ -116,20 +124,52 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   keys, signs = _operand_keys(gemm, key, layer_key)
   backend = backends.for_gemm(recipe.backend, gemm)
   cdt = jnp.dtype(recipe.compute_dtype)
+  plan = _shard_plan(backend, a, b, dims, gemm, specs, role)
+  a_layout = b_layout = None
+  if plan is not None:
+    a_layout = _flat_shards(plan.a, a.shape, ca, True)
+    b_layout = _flat_shards(plan.b, b.shape, cb, False)
   if saved_lhs is None:
-    a, ia, wa = _quantized(backend, a, ca, True, gemm.lhs, gemm.hadamard, signs, keys[0], cdt)
+    a, ia, wa = _quantized(backend, a, ca, True, gemm.lhs, gemm.hadamard, signs, keys[0], cdt,
+                           a_layout)
   else:
     _, _, ia, wa = _flat_layout(a.shape, ca, last=True)
     a = backend.from_qarray(residuals.restore(saved_lhs), saved_lhs.dtype, cdt)
-  b, ib, wb = _quantized(backend, b, cb, False, gemm.rhs, gemm.hadamard, signs, keys[1], cdt)
+  b, ib, wb = _quantized(backend, b, cb, False, gemm.rhs, gemm.hadamard, signs, keys[1], cdt,
+                         b_layout)
   dims = (((ia,), (ib,)), (tuple(wa[d] for d in ba), tuple(wb[d] for d in bb)))
-  return backend.matmul(a, b, dims, precision, out_sharding,
-                        recipe.native_route).astype(out_dtype)
+  if plan is not None and getattr(backend, "SHARD_LOCAL_MATMUL", False):
+    y = backend.matmul(a, b, dims, precision, out_sharding, recipe.native_route,
+                       plan=plan._replace(a=a_layout, b=b_layout))
+  else:  # no mesh, or a GEMM XLA partitions (pallas': xla's)
+    y = backend.matmul(a, b, dims, precision, out_sharding, recipe.native_route)
+  return y.astype(out_dtype)
 
 
-def _quantized(backend, x, axes, last, spec, rotation, signs, key, compute_dtype):
+def _shard_plan(backend, a, b, dims, gemm, specs, role):
+  """The shard_local.Plan of a GEMM on a backend XLA cannot partition, under a mesh
+  and with the operands' specs; else None."""
+  if specs is None or backend.PARTITIONED_BY_XLA:
+    return None
+  mesh = shard_local.active_mesh()
+  if mesh is None:
+    return None
+  blocks = ((gemm.lhs and gemm.lhs.block, gemm.rhs and gemm.rhs.block),
+            gemm.hadamard and gemm.hadamard.block)
+  return shard_local.plan(mesh, a.shape, b.shape, specs[0], specs[1], dims, role=role,
+                          blocks=blocks)
+
+
+def _flat_shards(layout, shape, axes, last):
+  """The shard_local.Layout of an operand after _flatten(x, axes, last)."""
+  perm, _, axis, _ = _flat_layout(tuple(shape), axes, last)
+  return shard_local.flattened(layout, shape, perm, axes, axis)
+
+
+def _quantized(backend, x, axes, last, spec, rotation, signs, key, compute_dtype, layout=None):
   """x flattened along `axes` (_flatten) and quantized by `backend`:
-  (operand, axis, where) with _flatten's axis and where.
+  (operand, axis, where) with _flatten's axis and where. layout: the flattened
+  x's shard_local.Layout, for a backend whose kernels run per shard (or None).
 
   A per-tensor, deterministic, unrotated operand (FP8) is quantized before its
   layout changes on a backend that declares QUANTIZES_WHOLE_TENSOR_FIRST
@@ -142,7 +182,8 @@ def _quantized(backend, x, axes, last, spec, rotation, signs, key, compute_dtype
     values, axis, where = _flatten(op.values, axes, last)
     return op._replace(values=values), axis, where
   x, axis, where = _flatten(x, axes, last)
-  return backend.quantize(x, spec, rotation, signs, axis, key, compute_dtype), axis, where
+  extra = {} if layout is None else {"layout": layout}
+  return backend.quantize(x, spec, rotation, signs, axis, key, compute_dtype, **extra), axis, where
 
 
 def _to_layout(y, owner):
@@ -158,6 +199,7 @@ class _Static(NamedTuple):
   out_dtype: object
   out_sharding: object
   switch_wgrad_to: Gemm | None = None
+  specs: tuple | None = None  # (lhs Spec, rhs Spec) (fp4jax.shard_local), or None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -171,7 +213,7 @@ def _role_key(key, role):
 
 def _fwd(s, lhs, rhs, key, layer_key, wgrad_switched):
   y = _gemm(lhs, rhs, s.dims, s.recipe.fprop, _role_key(key, 0), _role_key(layer_key, 0),
-            s.recipe, s.precision, s.out_dtype, s.out_sharding)
+            s.recipe, s.precision, s.out_dtype, s.out_sharding, specs=s.specs, role="fprop")
   if s.recipe.residuals == "quantized":
     return y, (_save_lhs(s, lhs, key, layer_key), rhs, key, layer_key, wgrad_switched)
   return y, (lhs, rhs, key, layer_key, wgrad_switched)
@@ -211,13 +253,16 @@ def _bwd(s, res, dy):
   y_b = tuple(range(nb))
   y_lf = tuple(range(nb, nb + len(lf)))
   y_rf = tuple(range(nb + len(lf), dy.ndim))
+  lhs_spec, rhs_spec, dy_spec = _backward_specs(s, lhs, rhs)
   dx = _gemm(dy, rhs, ((y_rf, tuple(rf)), (y_b, rb)), s.recipe.dgrad, _role_key(key, 1),
-             _role_key(layer_key, 1), s.recipe, s.precision, lhs.dtype)
+             _role_key(layer_key, 1), s.recipe, s.precision, lhs.dtype,
+             specs=dy_spec and (dy_spec, rhs_spec), role="dgrad")
   # dx axes: batch (lb), lhs free (lf), then rhs's remaining dims (rc, by rhs index).
   dx = _to_layout(dx, list(lb) + lf + [lc[rc.index(r)] for r in sorted(rc)])
   wgrad = lambda gemm: _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), gemm, _role_key(key, 2),
                              _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype,
-                             saved_lhs=saved_lhs)
+                             saved_lhs=saved_lhs, specs=dy_spec and (lhs_spec, dy_spec),
+                             role="wgrad")
   if wgrad_switched is None:
     dw = wgrad(s.recipe.wgrad)
   else:
@@ -230,6 +275,19 @@ def _bwd(s, res, dy):
   if fprop.rhs is not None and fprop.rhs.has_trust_mask:
     dw = _trust_masked(dw, rhs, rc, False, fprop, fprop.rhs, key, layer_key)
   return dx, dw, None, None, None
+
+
+def _backward_specs(s, lhs, rhs):
+  """(lhs Spec, rhs Spec, dY's Spec) of the backward GEMMs, or Nones without specs:
+  dY is laid out as Fprop's output (shard_local.plan)."""
+  if s.specs is None:
+    return None, None, None
+  lhs_spec, rhs_spec = s.specs
+  mesh = shard_local.active_mesh()
+  if mesh is None:
+    return lhs_spec, rhs_spec, None
+  out = shard_local.output_spec(mesh, lhs.shape, rhs.shape, lhs_spec, rhs_spec, s.dims)
+  return lhs_spec, rhs_spec, out
 
 
 def _trust_masked(grad, x, axes, last, gemm: Gemm, spec, key, layer_key):
@@ -265,14 +323,18 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
 
   Returns fn(lhs, rhs, dimension_numbers, precision=None,
   preferred_element_type=None, out_sharding=None, key=None, layer_key=None,
-  wgrad_switched=None) -> array with lax.dot_general's output shape and dtype.
+  wgrad_switched=None, specs=None) -> array with lax.dot_general's output shape and
+  dtype.
   `key` (a PRNG key, fresh per call) is required when recipe.is_random and
   ignored otherwise; `layer_key` (a PRNG key, the layer's own, the same every
   step) is required when recipe.needs_layer_key (per-layer Hadamard signs)
   and ignored otherwise. `wgrad_switched` (a boolean scalar, may be traced)
   needs `switch_wgrad_to`, a deterministic Gemm: where true, Wgrad is
   computed with it instead of recipe.wgrad (None: recipe.wgrad, no
-  lax.cond). A recipe that neither quantizes nor rotates (e.g. "bf16") is
+  lax.cond). `specs` (lhs PartitionSpec, rhs PartitionSpec) over the current
+  mesh: how the operands are sharded, so that a kernel backend runs per shard
+  (module docstring, "Sharding"; ignored without a mesh of several devices).
+  A recipe that neither quantizes nor rotates (e.g. "bf16") is
   lax.dot_general with the caller's arguments (bitwise, gradients included;
   `key`, `layer_key`, `wgrad_switched` ignored), unless its plain_route is
   "float32_output" (module docstring, "Plain GEMMs").
@@ -291,7 +353,7 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
     return functools.partial(_plain, recipe)
 
   def fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-         out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
+         out_sharding=None, key=None, layer_key=None, wgrad_switched=None, specs=None):
     if recipe.is_random and key is None:
       raise ValueError(f"recipe {recipe.name!r} is random (stochastic rounding or per-step "
                        "Hadamard signs) and needs key=")
@@ -302,7 +364,7 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
       raise ValueError("wgrad_switched= needs dot_general(recipe, switch_wgrad_to=gemm)")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     s = _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                out_sharding, switch_wgrad_to)
+                out_sharding, switch_wgrad_to, specs)
     if wgrad_switched is not None:
       wgrad_switched = jnp.asarray(wgrad_switched, jnp.bool_)
     return _qdot(s, lhs, rhs, key if recipe.is_random else None,
@@ -312,14 +374,19 @@ def dot_general(recipe: Recipe, switch_wgrad_to: Gemm | None = None):
 
 
 def _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
-            out_sharding, switch_wgrad_to=None):
+            out_sharding, switch_wgrad_to=None, specs=None):
   """The _Static of one call: every dim non-negative (_axes), the output dtype
-  preferred_element_type or the operands' result type."""
+  preferred_element_type or the operands' result type, specs as shard_local Specs."""
   (lc, rc), (lb, rb) = dimension_numbers
   dims = ((_axes(lc, lhs, "lhs"), _axes(rc, rhs, "rhs")),
           (_axes(lb, lhs, "lhs"), _axes(rb, rhs, "rhs")))
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-  return _Static(recipe, dims, precision, out_dtype, out_sharding, switch_wgrad_to)
+  if specs is not None:
+    if len(specs) != 2:
+      raise ValueError(f"specs= takes (lhs spec, rhs spec), got {specs!r}")
+    specs = (shard_local.normalize(specs[0], lhs.ndim, "lhs"),
+             shard_local.normalize(specs[1], rhs.ndim, "rhs"))
+  return _Static(recipe, dims, precision, out_dtype, out_sharding, switch_wgrad_to, specs)
 
 
 def _axes(dims, x, name):
@@ -340,12 +407,12 @@ def _plain_gemm(a, b, dims, route, precision, out_dtype, out_sharding):
 
 
 def _plain(recipe, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-           out_sharding=None, key=None, layer_key=None, wgrad_switched=None):
+           out_sharding=None, key=None, layer_key=None, wgrad_switched=None, specs=None):
   """dot_general of a recipe that neither quantizes nor rotates: lax.dot_general with
   the caller's arguments (plain_route "lax"), or its three GEMMs through
-  _plain_gemm in the custom_vjp. `key`, `layer_key`, `wgrad_switched` are
-  accepted and unused."""
-  del key, layer_key, wgrad_switched
+  _plain_gemm in the custom_vjp. `key`, `layer_key`, `wgrad_switched`, `specs` are
+  accepted and unused (XLA partitions these GEMMs)."""
+  del key, layer_key, wgrad_switched, specs
   if recipe.plain_route == "lax":
     return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                            out_sharding=out_sharding)

@@ -40,12 +40,20 @@ class DotGeneral(nn.Module):
   "perturbations" collection is the layer's output gradient dY. With per-layer
   signs it also sows "layer_key" (the PRNG key this layer passes as
   dot_general's `layer_key`).
+
+  lhs_axes, rhs_axes: the operands' logical axis names (e.g. ("activation_batch",
+  "activation_length", "activation_embed") and ("embed", "mlp")); under a mesh
+  and Flax logical axis rules (fp4jax.sharding.use_mesh) they become
+  dot_general's `specs`, so a kernel backend quantizes and multiplies each
+  device's shard (fp4jax.shard_local).
   """
 
   recipe: Recipe
   capture: bool = False
   switch_wgrad_to: Gemm | None = None
   wgrad_switched: Any = None
+  lhs_axes: tuple | None = None
+  rhs_axes: tuple | None = None
 
   @classmethod
   def partial(cls, **fields):
@@ -67,9 +75,12 @@ class DotGeneral(nn.Module):
       self.sow("intermediates", "rhs", rhs)
       if layer_key is not None:
         self.sow("intermediates", "layer_key", layer_key)
+    specs = None
+    if self.lhs_axes is not None and self.rhs_axes is not None:
+      specs = (nn.logical_to_mesh_axes(self.lhs_axes), nn.logical_to_mesh_axes(self.rhs_axes))
     y = dot.dot_general(self.recipe, self.switch_wgrad_to)(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding,
-        key=key, layer_key=layer_key, wgrad_switched=self.wgrad_switched)
+        key=key, layer_key=layer_key, wgrad_switched=self.wgrad_switched, specs=specs)
     return self.perturb("out", y) if self.capture else y
 
 

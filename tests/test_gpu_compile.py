@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from fp4jax.bench import gpu_binary, gpu_compile, hlo_stats
+from fp4jax.bench import gpu_binary, gpu_compile, gpu_shards, hlo_stats
 
 PLUGIN = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
 needs_plugin = pytest.mark.skipif(
@@ -361,3 +361,46 @@ def test_an_against_file_that_is_not_a_report_is_refused_before_compiling(capsys
   line = _compile_refused(capsys, "--target", "b200", "--against", str(path))
   assert line.startswith(f"gpu_compile: --against {str(path)!r}: not a gpu_compile report: "
                          "rows[0] must be an object with the fields program, "), line
+
+
+# --- the kernel backends on 8 GPUs: each device quantizes and multiplies its shard -----------
+
+
+@pytest.fixture(scope="module")
+def h200x8():
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  return gpu_shards.devices_of("h200", 8)
+
+
+def assert_no_kernel_sees_the_global_batch(row):
+  """Every Triton / Mosaic GPU kernel of a gpu_shards row reads one device's tokens."""
+  assert row["kernels"], row
+  assert not row["global_batch"], (
+      f"{row['recipe']} {row['backend']}: kernels on all {gpu_shards.TOKENS} tokens: "
+      f"{row['global_batch']}")
+
+
+@needs_plugin
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, backend):
+  """The Dense layer, 3,072 tokens over 8 H200s (fp4jax.bench.gpu_shards): each quantize
+  kernel and each Mosaic GPU GEMM reads 384 tokens, nothing is all-gathered, and the
+  one all-reduce is Wgrad's sum over the devices' tokens (bf16's one all-reduce, in float32)."""
+  row = gpu_shards.row(h200x8, "mxfp4", backend, per_shard=True)
+  assert_no_kernel_sees_the_global_batch(row)
+  assert any(gpu_shards.TOKENS // 8 in gpu_shards.dims(k) for k in row["kernels"]), row
+  if backend == "mosaic":
+    assert sum(k.startswith("mosaic") for k in row["kernels"]) == 3, row
+  assert set(row["collectives"]) == {"all-reduce"}, row["collectives"]
+  # dW [K, N] in float32: the devices' partial Wgrads, summed.
+  assert row["collectives"]["all-reduce"] == (1, gpu_shards.K * gpu_shards.N * 4), row
+
+
+@needs_plugin
+def test_the_check_fails_on_the_layer_without_its_operands_specs(h200x8):
+  """The planted bug: without specs (the layer before fp4jax.shard_local) the pallas
+  backend's kernels quantize all 3,072 tokens on every device, after an all-gather."""
+  row = gpu_shards.row(h200x8, "mxfp4", "pallas", per_shard=False)
+  with pytest.raises(AssertionError, match="kernels on all 3072 tokens"):
+    assert_no_kernel_sees_the_global_batch(row)
+  assert row["collectives"]["all-gather"][0] >= 1

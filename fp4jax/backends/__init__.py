@@ -21,13 +21,22 @@ fp4jax.dot calls, per quantized GEMM, one backend module through four functions:
       stochastic_dither's 4/3) applied to the float32 output. route: the
       recipe's native_route (NATIVE_ROUTES; only `native` reads it).
 
-and one declaration:
+and declarations:
 
   QUANTIZES_WHOLE_TENSOR_FIRST: bool
       True when a per-tensor, deterministic, unrotated operand (FP8) is to be
       quantized before its layout changes: one scale for the whole tensor
       gives the same values in any layout, and XLA then merges the
       quantizations of an array that several GEMMs read (fp4jax.dot).
+  PARTITIONED_BY_XLA: bool
+      True when XLA's SPMD partitioner splits everything the backend emits
+      (`xla`, `native`). False for a backend with kernels (custom calls:
+      `pallas`, `mosaic`): under a mesh, with the operands' specs given to
+      dot_general, its `quantize` takes `layout=` (the flattened operand's
+      fp4jax.shard_local.Layout) and runs its kernel per shard; a backend that
+      also declares SHARD_LOCAL_MATMUL (`mosaic`) has its `matmul` take
+      `plan=` (a shard_local.Plan) and run its GEMM per shard, summing a split
+      contraction (psum).
 
 Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
 dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fp4jax import shard_local
 from fp4jax.backends import apply_factors, cuda_capability
 from fp4jax.kernels import hopper_gemm
 from fp4jax.numerics import formats
@@ -52,6 +53,10 @@ CAPABILITY_MAJOR = 9  # Hopper: FP8 wgmma
 BLOCKS = (16, 32)
 # fp4jax.backends: per-tensor FP8 operands are quantized before their layout changes.
 QUANTIZES_WHOLE_TENSOR_FIRST = True
+# fp4jax.backends: the quantize kernel and the GEMM are custom calls; fp4jax.shard_local
+# runs them per shard (its matmul takes a shard_local.Plan: SHARD_LOCAL_MATMUL).
+PARTITIONED_BY_XLA = False
+SHARD_LOCAL_MATMUL = True
 
 
 class Operand(NamedTuple):
@@ -93,18 +98,30 @@ def unsupported(gemm):
   return None
 
 
-def quantize(x, spec, rotation, signs, axis, key, compute_dtype):
+def quantize(x, spec, rotation, signs, axis, key, compute_dtype, layout=None):
   """See fp4jax.backends; returns an Operand blocked along `axis`: for MX blocks of
   32 that the Pallas kernels take, rotated and quantized in one pass that writes
   the elements [..., K] (fp4jax.kernels.quantize.quantize_fp8, bit for bit the
-  jnp path's values); otherwise through the jnp path."""
+  jnp path's values), per shard of x's shard_local.Layout `layout` (None: on x
+  as it is); otherwise through the jnp path."""
   from fp4jax.kernels import quantize as kernel_quantize  # pylint: disable=g-import-not-at-top
   h = None if rotation is None else rotation.block
   if (spec.family == "mx" and spec.block == hopper_gemm.BLOCK and spec.is_plain_blocks
       and kernel_quantize.unsupported(spec, h) is None):
     x = operand.pad_axis(x, axis, h or 1)
-    values, scales = kernel_quantize.quantize_fp8(x, spec, axis, hadamard_block=h,
-                                                  signs=signs, key=key)
+    if layout is None:
+      values, scales = kernel_quantize.quantize_fp8(x, spec, axis, hadamard_block=h,
+                                                    signs=signs, key=key)
+      return Operand(values, scales, None, k_last=True)
+    # The whole array's random bits, drawn as quantize_fp8(key=key) draws them.
+    bits = (kernel_quantize.reference_bits(key, x.shape, axis, spec.block)
+            if key is not None and spec.is_random else None)
+    call = lambda x, bits, signs: kernel_quantize.quantize_fp8(
+        x, spec, axis, hadamard_block=h, signs=signs, random_bits=bits)
+    k_last = layout.spec[:axis] + layout.spec[axis + 1:] + (layout.spec[axis],)
+    values, scales = shard_local.each_shard(call, (x, bits, signs),
+                                            (layout.spec, layout.spec, None),
+                                            [k_last, k_last], layout.mesh)
     return Operand(values, scales, None, k_last=True)
   x = operand.rotate_padded(x, rotation, signs, axis)
   if spec.block is not None:
@@ -135,20 +152,47 @@ def from_qarray(q, dtype, compute_dtype):
   return Operand(values, scales, q.global_scale)
 
 
-def matmul(a, b, dims, precision, out_sharding, route=None):
+def matmul(a, b, dims, precision, out_sharding, route=None, plan=None):
   """lax.dot_general(a, b, dims)'s float32 result through hopper_gemm.matmul
-  (`precision` and `route` are other backends')."""
+  (`precision` and `route` are other backends'). plan: a shard_local.Plan whose
+  a and b are the Layouts of a's and b's axes (as `dims` reads them): the GEMM
+  runs per shard, its partial products summed over plan.reduce (psum), before
+  the operands' factors."""
   del precision, route
+  if plan is None:
+    y = _product(a, b, dims)
+  else:
+    def local(av, asc, bv, bsc):
+      y = _product(a._replace(values=av, scales=asc), b._replace(values=bv, scales=bsc), dims)
+      return jax.lax.psum(y, plan.reduce) if plan.reduce else y
+
+    (ca, cb), _ = dims
+    specs = [_values_spec(a, plan.a.spec, ca), _values_spec(b, plan.b.spec, cb)]
+    y = shard_local.each_shard(local, (a.values, a.scales, b.values, b.scales),
+                               (specs[0], specs[0], specs[1], specs[1]), plan.out,
+                               plan.a.mesh)
+  if out_sharding is not None:
+    y = jax.sharding.reshard(y, out_sharding)
+  return apply_factors(y, a.factor, b.factor)
+
+
+def _values_spec(op, spec, contract):
+  """The Spec of an Operand's values (and scales) from the Spec of its axes."""
+  if not op.k_last:
+    return spec
+  (axis,) = contract
+  return spec[:axis] + spec[axis + 1:] + (spec[axis],)
+
+
+def _product(a, b, dims):
+  """hopper_gemm.matmul's float32 dot_general(a, b, dims), without the factors."""
   (ca, cb), (ba, bb) = dims
   av, asc, a_shape = _batch_rows_k(a, ca, ba)
   bv, bsc, b_shape = _batch_rows_k(b, cb, bb)
   args = (av, bv) if asc is None else (av, bv, asc, bsc)
   y = (hopper_gemm.matmul(*(t[0] for t in args))[None] if av.shape[0] == 1
        else jax.vmap(hopper_gemm.matmul)(*args))
-  y = y.reshape(a_shape + b_shape[len(bb):])  # dot_general's layout
-  if out_sharding is not None:
-    y = jax.sharding.reshard(y, out_sharding)
-  return apply_factors(y, a.factor, b.factor)
+  return y.reshape(a_shape + b_shape[len(bb):])  # dot_general's layout
 
 
 def _batch_rows_k(op, contract, batch):

@@ -53,6 +53,9 @@ from fp4jax.backends import apply_factors, cuda_capability
 MIN_CAPABILITY = (10, 0)
 # fp4jax.backends: every operand is quantized in the GEMM's layout (real arrays).
 QUANTIZES_WHOLE_TENSOR_FIRST = False
+# fp4jax.backends: jnp quantization and a GEMM XLA partitions (lax.scaled_dot is an HLO
+# op; jax.nn.scaled_matmul's cuDNN call carries jax's own custom_partitioning rule).
+PARTITIONED_BY_XLA = True
 
 
 def route_for(lhs, rhs, route="auto"):

@@ -28,6 +28,8 @@ from fp4jax.backends import apply_factors, fence_dot_output
 
 # fp4jax.backends: FP8 per-tensor operands are quantized before their layout changes.
 QUANTIZES_WHOLE_TENSOR_FIRST = True
+# fp4jax.backends: jnp only, which XLA's SPMD partitioner splits.
+PARTITIONED_BY_XLA = True
 
 
 class Operand(NamedTuple):

@@ -6,7 +6,9 @@ token), train_step (tokens/s per recipe, interleaved), train_speed (one
 recipe's throughput and MFU), crosscheck (the same bits on two backends),
 gemm_dtype (a bf16 GEMM's three dtype routes), gpu_plan, gpu_check and
 gpu_summary (the plan, stages and summary of benchmarks/gpu_check.sh), gpu_compile (every GPU
-path through XLA's GPU compiler, without a GPU), study_throughput (a study's
+path through XLA's GPU compiler, without a GPU), gpu_shards (a Dense layer
+sharded over 8 GPUs through that compiler: the tokens each kernel reads),
+study_throughput (a study's
 runs per hour, one at a time vs side by side). Helpers: hlo_stats (kernel
 counts of optimized HLO), gpu_binary (tensor-core instructions read from a
 compiled GPU binary), machine (what a CPU benchmark ran on).

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fp4jax.flax as fp4flax
-from fp4jax import recipes
+from fp4jax import recipes, sharding
 from fp4jax.llama import linears
 
 DTYPES = ("bfloat16", "float32")
@@ -301,6 +301,12 @@ def _linear(path, cfg, dot_cls, dtype):
   """The linear layer `path` ("attn/q", ..., "head": fp4jax.llama.linears) of LlamaConfig cfg."""
   layer = linears.linear(path)
   features = tuple(size for _, size in layer.fan_out(cfg))
+  # The operands' logical names: the kernel's, and the activations' (as _constrain
+  # lays them out), so a kernel backend runs per shard (fp4jax.shard_local).
+  x_axes = ("activation_batch", "activation_length") + tuple(
+      sharding.activation_name(name) for name, _ in layer.fan_in(cfg))
+  if dot_cls is not None:
+    dot_cls = functools.partial(dot_cls, lhs_axes=x_axes, rhs_axes=layer.kernel_axes)
   return _dense(features, tuple(range(-layer.n_in, 0)), layer.kernel_axes, dot_cls, dtype,
                 layer.name)
 
@@ -355,7 +361,13 @@ class Attention(nn.Module):
       qk_dot = pv_dot = jax.lax.dot_general
       if cfg.quantize_attention:
         # No weights, so no Wgrad to switch.
-        qk_dot, pv_dot = (_dot_cls(self.recipe, cfg)(name=n) for n in ("qk", "pv"))
+        # Operands' logical names (shard_local): q [B, L, K, G, D] . k [B, S, K, D],
+        # then p [B, K, L, G, S] . v [B, S, K, D].
+        kv = ("activation_batch", "activation_length", "activation_kv_heads", None)
+        qk_dot = _dot_cls(self.recipe, cfg)(name="qk", lhs_axes=kv + (None,), rhs_axes=kv)
+        pv_dot = _dot_cls(self.recipe, cfg)(
+            name="pv", lhs_axes=("activation_batch", "activation_kv_heads",
+                                 "activation_length", None, None), rhs_axes=kv)
       y_BxLxHxD = _causal_gqa(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, qk_dot, pv_dot)
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
     return linear("attn/o")(y_BxLxHxD)
