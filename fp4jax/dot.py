@@ -109,14 +109,15 @@ def _operand_keys(gemm: Gemm, key, layer_key):
 
 
 def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out_dtype,
-          out_sharding=None, saved_lhs=None, specs=None, role="gemm"):
+          out_sharding=None, saved_lhs=None, specs=None, role="gemm", out_spec=None):
   """One GEMM of the recipe: dot_general(a, b, dims) -> out_dtype, quantized as `gemm` says.
 
   saved_lhs: the lhs as _save_lhs stored it (a residuals.Saved; then `a` is
   only its shape, e.g. a jax.ShapeDtypeStruct), restored instead of
   quantizing `a`. specs: (a's Spec, b's Spec) (fp4jax.shard_local) or None; a
   backend that XLA cannot partition runs its kernels per shard of them (role
-  names the GEMM in a refusal).
+  names the GEMM in a refusal; out_spec: the Spec its output is wanted in, for
+  Wgrad the weight's, shard_local.plan).
   """
   if gemm.is_plain:
     return _plain_gemm(a, b, dims, recipe.plain_route, precision, out_dtype, out_sharding)
@@ -124,7 +125,7 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   keys, signs = _operand_keys(gemm, key, layer_key)
   backend = backends.for_gemm(recipe.backend, gemm)
   cdt = jnp.dtype(recipe.compute_dtype)
-  plan = _shard_plan(backend, a, b, dims, gemm, specs, role)
+  plan = _shard_plan(backend, a, b, dims, gemm, specs, role, out_spec)
   a_layout = b_layout = None
   if plan is not None:
     a_layout = _flat_shards(plan.a, a.shape, ca, True)
@@ -146,7 +147,7 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   return y.astype(out_dtype)
 
 
-def _shard_plan(backend, a, b, dims, gemm, specs, role):
+def _shard_plan(backend, a, b, dims, gemm, specs, role, out_spec=None):
   """The shard_local.Plan of a GEMM on a backend XLA cannot partition, under a mesh
   and with the operands' specs; else None."""
   if specs is None or backend.PARTITIONED_BY_XLA:
@@ -157,7 +158,7 @@ def _shard_plan(backend, a, b, dims, gemm, specs, role):
   blocks = ((gemm.lhs and gemm.lhs.block, gemm.rhs and gemm.rhs.block),
             gemm.hadamard and gemm.hadamard.block)
   return shard_local.plan(mesh, a.shape, b.shape, specs[0], specs[1], dims, role=role,
-                          blocks=blocks)
+                          blocks=blocks, out_spec=out_spec)
 
 
 def _flat_shards(layout, shape, axes, last):
@@ -254,6 +255,10 @@ def _bwd(s, res, dy):
   y_lf = tuple(range(nb, nb + len(lf)))
   y_rf = tuple(range(nb + len(lf), dy.ndim))
   lhs_spec, rhs_spec, dy_spec = _backward_specs(s, lhs, rhs)
+  # dW in Wgrad's output layout: rhs's batch dims, its contracted dims (as lhs orders
+  # them), its free dims; wanted as the weight is split (FSDP: reduce-scattered).
+  dw_spec = rhs_spec and tuple(rhs_spec[d] for d in list(rb) + [rc[lc.index(l)] for l in
+                                                                sorted(lc)] + rf)
   dx = _gemm(dy, rhs, ((y_rf, tuple(rf)), (y_b, rb)), s.recipe.dgrad, _role_key(key, 1),
              _role_key(layer_key, 1), s.recipe, s.precision, lhs.dtype,
              specs=dy_spec and (dy_spec, rhs_spec), role="dgrad")
@@ -262,7 +267,7 @@ def _bwd(s, res, dy):
   wgrad = lambda gemm: _gemm(lhs, dy, ((tuple(lf), y_lf), (lb, y_b)), gemm, _role_key(key, 2),
                              _role_key(layer_key, 2), s.recipe, s.precision, rhs.dtype,
                              saved_lhs=saved_lhs, specs=dy_spec and (lhs_spec, dy_spec),
-                             role="wgrad")
+                             role="wgrad", out_spec=dw_spec)
   if wgrad_switched is None:
     dw = wgrad(s.recipe.wgrad)
   else:

@@ -53,11 +53,24 @@ class Layout(NamedTuple):
 class Plan(NamedTuple):
   """One GEMM's per-shard layout: a, b (Layouts of the operands as the caller
   passes them, before flattening), out (the output's Spec, dot_general's
-  layout), reduce (mesh axes the contraction is split over: psum after the GEMM)."""
+  layout), reduce (mesh axes the contraction is split over), scatter ((output
+  dim, mesh axes) whose sums are reduce-scattered along that dim: psum_scatter;
+  the rest of `reduce` is summed whole: psum)."""
   a: Layout
   b: Layout
   out: Spec
   reduce: tuple
+  scatter: tuple = ()
+
+  def sum_partials(self, y):
+    """y, one device's partial product, summed over the devices that split the
+    contraction (inside the per-shard call)."""
+    scattered = set()
+    for dim, axes in self.scatter:
+      y = jax.lax.psum_scatter(y, axes, scatter_dimension=dim, tiled=True)
+      scattered.update(axes)
+    rest = tuple(x for x in self.reduce if x not in scattered)
+    return jax.lax.psum(y, rest) if rest else y
 
 
 def partition_spec(spec: Spec) -> PartitionSpec:
@@ -99,14 +112,18 @@ def _split(mesh, axes):
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def plan(mesh, a_shape, b_shape, a_spec: Spec, b_spec: Spec, dims, *, role, blocks):
+def plan(mesh, a_shape, b_shape, a_spec: Spec, b_spec: Spec, dims, *, role, blocks,
+         out_spec=None):
   """The Plan of one GEMM dot_general(a, b, dims) (module docstring).
 
   blocks: ((lhs MX block or None, rhs MX block or None), Hadamard block or None),
   the blocks that run along the contraction axis. A mesh axis missing from
   `mesh` or one that does not divide its dim is dropped (that dim is gathered);
   a contraction whose split is not a whole number of blocks per device raises
-  ValueError. None when no operand dim is split.
+  ValueError. None when no operand dim is split. out_spec: the Spec the output
+  is wanted in (a weight's gradient: the weight's), or None; an output dim it
+  splits over mesh axes that split the contraction gets its sum reduce-scattered
+  over them (as XLA does for a bf16 gradient under FSDP) instead of summed whole.
   """
   new_a, new_b, out, n = _assign(mesh, a_shape, b_shape, a_spec, b_spec, dims)
   if not any(new_a + new_b):  # nothing split: the kernels run on whole arrays
@@ -116,7 +133,24 @@ def plan(mesh, a_shape, b_shape, a_spec: Spec, b_spec: Spec, dims, *, role, bloc
   shards = _split(mesh, reduce)
   if shards > 1:
     _check_blocks(role, n, shards, reduce, mesh, blocks)
-  return Plan(Layout(mesh, new_a), Layout(mesh, new_b), out, reduce)
+  scatter = []
+  if out_spec is not None and reduce:
+    out = list(out)
+    sizes = _output_sizes(a_shape, b_shape, dims)
+    for d, want in enumerate(out_spec):
+      left = {x for _, axes in scatter for x in axes}
+      extra = tuple(x for x in want if x in reduce and x not in left and x not in out[d])
+      if extra and sizes[d] % _split(mesh, out[d] + extra) == 0:
+        scatter.append((d, extra))
+        out[d] = out[d] + extra
+    out = tuple(out)
+  return Plan(Layout(mesh, new_a), Layout(mesh, new_b), out, reduce, tuple(scatter))
+
+
+def _output_sizes(a_shape, b_shape, dims):
+  (ca, cb), (ba, bb) = dims
+  return ([a_shape[d] for d in ba] + [a_shape[d] for d in range(len(a_shape)) if d not in ca + ba]
+          + [b_shape[d] for d in range(len(b_shape)) if d not in cb + bb])
 
 
 def output_spec(mesh, a_shape, b_shape, a_spec: Spec, b_spec: Spec, dims) -> Spec:

@@ -397,6 +397,18 @@ def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, b
 
 
 @needs_plugin
+def test_under_fsdp_mosaic_gathers_the_weight_and_reduce_scatters_its_gradient(h200x8):
+  """The layer on mesh 1x8x1 (w's K split over fsdp): as bf16, one all-gather of the
+  bf16 weight and one reduce-scatter of dW (here in float32), and the kernels read
+  one device's tokens."""
+  row = gpu_shards.row(h200x8, "mxfp4", "mosaic", per_shard=True, mesh_sizes=(1, 8, 1))
+  assert_no_kernel_sees_the_global_batch(row)
+  k, n = gpu_shards.K, gpu_shards.N
+  assert row["collectives"] == {"all-gather": (1, k * n * 2),
+                                "reduce-scatter": (1, k // 8 * n * 4)}, row["collectives"]
+
+
+@needs_plugin
 def test_the_check_fails_on_the_layer_without_its_operands_specs(h200x8):
   """The planted bug: without specs (the layer before fp4jax.shard_local) the pallas
   backend's kernels quantize all 3,072 tokens on every device, after an all-gather."""

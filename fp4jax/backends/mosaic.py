@@ -156,15 +156,15 @@ def matmul(a, b, dims, precision, out_sharding, route=None, plan=None):
   """lax.dot_general(a, b, dims)'s float32 result through hopper_gemm.matmul
   (`precision` and `route` are other backends'). plan: a shard_local.Plan whose
   a and b are the Layouts of a's and b's axes (as `dims` reads them): the GEMM
-  runs per shard, its partial products summed over plan.reduce (psum), before
-  the operands' factors."""
+  runs per shard, its partial products summed over plan.reduce (psum, or
+  psum_scatter where plan.scatter says), before the operands' factors."""
   del precision, route
   if plan is None:
     y = _product(a, b, dims)
   else:
     def local(av, asc, bv, bsc):
       y = _product(a._replace(values=av, scales=asc), b._replace(values=bv, scales=bsc), dims)
-      return jax.lax.psum(y, plan.reduce) if plan.reduce else y
+      return plan.sum_partials(y)
 
     (ca, cb), _ = dims
     specs = [_values_spec(a, plan.a.spec, ca), _values_spec(b, plan.b.spec, cb)]

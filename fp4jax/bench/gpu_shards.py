@@ -1,15 +1,16 @@
 """A sharded Dense layer through XLA's GPU compiler, without a GPU: what each device's kernels read.
 
   python -m fp4jax.bench gpu_shards --target h200|b200 [--arms RECIPE:BACKEND,...]
-      [--devices 8] [--out REPORT.json]
+      [--devices 8] [--mesh DATAxFSDPxTENSOR] [--out REPORT.json]
 
 Compiles, for `--devices` abstract GPUs of the target (fp4jax.bench.gpu_compile's
 descriptions, topology 1x1xN, autotuning off), one Dense layer's forward and
 backward, x[TOKENS, K] @ w[K, N] (bf16), the tokens sharded over the mesh's
-data axis (fp4jax.sharding), per arm twice: with the operands' specs passed to
-fp4jax.dot_general ("per shard": a kernel backend runs its kernels on each
-device's shard, fp4jax.shard_local) and without ("whole": the kernels run on
-the whole array, as before shard_local). Per program: every kernel the
+data and fsdp axes, w's K over fsdp and N over tensor (fp4jax.sharding's
+rules; `--mesh`, default all devices on data), per kernel backend twice: with
+the operands' specs passed to fp4jax.dot_general ("per shard": the backend runs
+its kernels on each device's shard, fp4jax.shard_local) and without ("whole":
+the kernels run on the whole array, as before shard_local). Per program: every kernel the
 compiled HLO calls (Triton and Mosaic GPU custom calls) with its output type,
 the ones whose shape holds the global token count (TOKENS: kernels that see
 every device's tokens), and the collectives with the bytes they write. Needs
@@ -101,9 +102,11 @@ def collectives(hlo_text):
   return {k: tuple(v) for k, v in out.items()}
 
 
-def compile_layer(devices, recipe, backend, per_shard=True):
-  """The compiled HLO text of the Dense layer's forward + backward (module docstring)."""
-  cfg = ml_collections.ConfigDict(dict(data=len(devices), fsdp=1, tensor=1))
+def compile_layer(devices, recipe, backend, per_shard=True, mesh_sizes=None):
+  """The compiled HLO text of the Dense layer's forward + backward (module docstring);
+  mesh_sizes: (data, fsdp, tensor), default all devices on data."""
+  data, fsdp, tensor = mesh_sizes or (len(devices), 1, 1)
+  cfg = ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor))
   mesh = sharding.make_mesh(cfg, devices)
   r = dataclasses.replace(recipes.recipe(recipe), backend=backend)
   dg = dot.dot_general(r)
@@ -127,11 +130,12 @@ def compile_layer(devices, recipe, backend, per_shard=True):
     return lowered.compile(gpu_compile.COMPILE_OPTIONS).as_text()
 
 
-def row(devices, recipe, backend, per_shard):
+def row(devices, recipe, backend, per_shard, mesh_sizes=None):
   """One program's report: its kernels, those on the global batch, its collectives."""
-  text = compile_layer(devices, recipe, backend, per_shard)
+  text = compile_layer(devices, recipe, backend, per_shard, mesh_sizes)
   kernels = kernel_calls(text)
   return dict(recipe=recipe, backend=backend, mode="per shard" if per_shard else "whole",
+              mesh="x".join(map(str, mesh_sizes or (len(devices), 1, 1))),
               kernels=[f"{kind} {t}" for kind, t in kernels],
               global_batch=[f"{kind} {t}" for kind, t in kernels if TOKENS in dims(t)],
               collectives=collectives(text))
@@ -144,6 +148,9 @@ def parser():
   p.add_argument("--arms", help="RECIPE:BACKEND,... (default: " +
                  ",".join(f"{r}:{b}" for r, b in ARMS) + ")")
   p.add_argument("--devices", type=int, default=8, help="GPUs the tokens are split over")
+  p.add_argument("--mesh", default=None,
+                 help="DATAxFSDPxTENSOR sizes over the devices (default: all on data), e.g. "
+                      "1x8x1: the weight's K split over fsdp too")
   p.add_argument("--out", help="write the report (JSON) here")
   return p
 
@@ -167,6 +174,14 @@ def main(argv):
   arms = _arms(args.arms, p)
   if args.devices < 2 or TOKENS % args.devices:
     p.error(f"--devices {args.devices}: must be >= 2 and divide the {TOKENS} tokens")
+  mesh_sizes = None
+  if args.mesh:
+    try:
+      mesh_sizes = tuple(int(v) for v in args.mesh.split("x"))
+    except ValueError:
+      mesh_sizes = ()
+    if len(mesh_sizes) != 3 or np.prod(mesh_sizes) != args.devices:
+      p.error(f"--mesh {args.mesh!r}: want DATAxFSDPxTENSOR multiplying to {args.devices}")
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   jax.config.update("jax_platforms", "cpu")
   try:
@@ -179,10 +194,10 @@ def main(argv):
   for recipe, backend in arms:
     kernels = not backends.module(backend).PARTITIONED_BY_XLA  # both ways: before and after
     for per_shard in ((False, True) if kernels else (True,)):
-      rows.append(row(devices, recipe, backend, per_shard))
+      rows.append(row(devices, recipe, backend, per_shard, mesh_sizes))
       r = rows[-1]
       coll = ", ".join(f"{k} {n} ({b:,} B)" for k, (n, b) in sorted(r["collectives"].items()))
-      print(f"{recipe} {backend} {r['mode']}: {len(r['kernels'])} kernels, "
+      print(f"{recipe} {backend} {r['mode']} on {r['mesh']}: {len(r['kernels'])} kernels, "
             f"{len(r['global_batch'])} on the global batch {r['global_batch']}; "
             f"collectives: {coll or 'none'}", flush=True)
   if args.out:
