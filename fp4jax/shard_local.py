@@ -16,7 +16,9 @@ which fp4jax.flax.DotGeneral fills in from the model's logical axis names):
   the contraction takes the lhs's axes that are left (so a weight sharded
   along the contraction over `fsdp`, which also splits the tokens, is
   all-gathered, as in bf16). A contraction split over devices is reduced
-  after the GEMM (psum), as bf16's partial products are.
+  after the GEMM (psum), as bf16's partial products are; where the caller
+  wants the output split over such an axis (a weight's gradient under FSDP),
+  that sum is reduce-scattered (psum_scatter). dY is laid out as Fprop's output.
 - A quantization block (MX / NVFP4 block, Hadamard block) runs along the
   GEMM's contraction axis; where that axis is split, every device's part must
   be a whole number of blocks, else `plan` raises ValueError naming the GEMM,
