@@ -4,7 +4,9 @@ Test files import them from here (`from tests.helpers import ...`), never from
 one another.
 """
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -209,6 +211,18 @@ def refused(rc, out, *names):
   line = out.strip().splitlines()[-1]
   for name in names:
     assert name in line, (name, out[-3000:])
+
+
+def main_in_process(main, argv):
+  """(exit status, stdout + stderr) of a CLI's main(argv) run in this process,
+  as `python -m` would give them: a SystemExit's code, else main's return."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+    try:
+      rc = main(argv)
+    except SystemExit as e:
+      rc = e.code
+  return rc or 0, out.getvalue()
 
 
 def refused_in_process(call, *names):

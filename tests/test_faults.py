@@ -20,6 +20,11 @@ import time
 
 import pytest
 
+from fp4jax.bench import __main__ as bench_main
+from fp4jax.experiments import report
+from fp4jax.train import curves
+from tests.helpers import main_in_process
+
 pytestmark = pytest.mark.slow  # every test starts a CLI process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -472,27 +477,30 @@ def test_sigterm_to_the_ablation_runner_says_it_was_interrupted(tmp_path):
 
 
 def test_tool_clis(tmp_path):
-  rc, out = run(str(tmp_path / "missing"), module="fp4jax.train.curves")
-  _user_error(rc, out, "missing", "does not exist")
-  rc, out = run(str(tmp_path / "missing"), module="fp4jax.experiments.report")
-  _user_error(rc, out, "missing", "not a directory")
+  """Each CLI's bad input is one line, exit 2. The ablation runs as a process
+  (absl's flags are global); the others' mains run in this process."""
   rc, out = run("--workdir=x", module="fp4jax.experiments.ablation")
   _user_error(rc, out, "--config and --workdir are required")
   rc, out = run("--config=configs/ablation_tiny.py", "--workdir=x",
                 "--config.ablation.recipes=bf16,mxfp5",
                 module="fp4jax.experiments.ablation")
   _user_error(rc, out, "unknown recipe 'mxfp5'")
-  rc, out = run(str(tmp_path), "--tagret=3",
-                module="fp4jax.experiments.report")
+  rc, out = main_in_process(curves.main, [str(tmp_path / "missing")])
+  _user_error(rc, out, "missing", "does not exist")
+  report_main = lambda *args: main_in_process(report.main, ["report", *args])
+  rc, out = report_main(str(tmp_path / "missing"))
+  _user_error(rc, out, "missing", "not a directory")
+  rc, out = report_main(str(tmp_path), "--tagret=3")
   _user_error(rc, out, "--tagret=3", "did you mean '--target'")
-  rc, out = run("--help", module="fp4jax.bench")
+  bench = lambda *args: main_in_process(bench_main.main, ["bench", *args])
+  rc, out = bench("--help")
   assert rc == 0 and "dot_general" in out and "--recipes" in out, out[-3000:]
   assert "kernels" in out and "--backends" in out
-  rc, out = run("dot_general", "--recipes=mxfp5", module="fp4jax.bench")
+  rc, out = bench("dot_general", "--recipes=mxfp5")
   _user_error(rc, out, "unknown recipe 'mxfp5'")
-  rc, out = run("dot_general", "--m", "0", module="fp4jax.bench")
+  rc, out = bench("dot_general", "--m", "0")
   _user_error(rc, out, "--m", "must be >= 1")
-  rc, out = run("gemm_dtype", "--shapes", "1024x128", module="fp4jax.bench")
+  rc, out = bench("gemm_dtype", "--shapes", "1024x128")
   _user_error(rc, out, "--shapes", "'1024x128' is not MxKxN")
-  rc, out = run("nope", module="fp4jax.bench")
+  rc, out = bench("nope")
   _user_error(rc, out, "unknown benchmark 'nope'")
