@@ -225,6 +225,17 @@ def main_in_process(main, argv):
   return rc or 0, out.getvalue()
 
 
+def exit_2_line(capsys, main, argv):
+  """The last line a CLI's main(argv) writes to stderr (argparse prints its
+  usage first) when it exits with status 2 and no traceback."""
+  with pytest.raises(SystemExit) as done:
+    main(list(argv))
+  err = capsys.readouterr().err
+  assert done.value.code == 2, err
+  assert "Traceback" not in err
+  return err.strip().splitlines()[-1]
+
+
 def refused_in_process(call, *names):
   """call() raises a UserError of one line naming each of `names` (what the
   CLIs print before exiting with status 2), and warns no RuntimeWarning;

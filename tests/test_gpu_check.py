@@ -24,7 +24,7 @@ from fp4jax.bench import crosscheck, gpu_check, gpu_compile, gpu_plan, gpu_summa
 from fp4jax.bench import train_speed
 from fp4jax.bench import kernels as bench_kernels
 from fp4jax.train import cli
-from tests.helpers import jaxpr_equations
+from tests.helpers import exit_2_line, jaxpr_equations
 
 _HLO = """HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
 
@@ -315,14 +315,8 @@ def test_the_plan_fits_the_budget_in_priority_order():
 
 
 def _plan_refused(capsys, *argv):
-  """gpu_plan's line on stderr (the last: argparse prints its usage first) for argv,
-  which exits with status 2."""
-  with pytest.raises(SystemExit) as done:
-    gpu_plan.main(list(argv))
-  err = capsys.readouterr().err
-  assert done.value.code == 2, err
-  assert "Traceback" not in err
-  return err.strip().splitlines()[-1]
+  """gpu_plan's one line on stderr and exit status 2 for argv."""
+  return exit_2_line(capsys, gpu_plan.main, argv)
 
 
 @pytest.mark.parametrize("argv, names", [
