@@ -18,7 +18,8 @@ experiments/ (studies), bench/ (benchmarks), maxtext/; command lines: convert
 (export / import) and plot.
 
 Submodules are imported on first use, so `import fp4jax` stays light and the
-numerics never pull in Flax.
+numerics never pull in Flax; `dir(fp4jax)` (what tab completion reads) lists the
+public names without importing them.
 """
 
 import importlib
@@ -50,3 +51,9 @@ def __getattr__(name):
   if name == "flax":
     return importlib.import_module("fp4jax.flax")
   raise AttributeError(f"module 'fp4jax' has no attribute {name!r}")
+
+
+def __dir__():
+  """The public names, the dunders and the submodules already imported."""
+  return sorted(set(__all__) | {n for n, v in globals().items() if n.startswith("__")
+                                 or getattr(v, "__name__", "").startswith("fp4jax.")})
