@@ -110,12 +110,13 @@ class MetricsLog:
   """
 
   def __init__(self, workdir, *, total_steps, start_step, enabled=True,
-               sinks=()):
+               sinks=(), clock=time.monotonic):
     self.enabled = enabled
     self.total_steps = total_steps
     self._path = run_layout.metrics_file(workdir)
     self._tty = sys.stdout.isatty()
-    self._t0 = time.time()
+    self._clock = clock
+    self._first = None  # (clock, step) at the first row after start_step
     self._start_step = start_step
     self._tb = None
     self._sinks = tuple(sinks)
@@ -139,9 +140,7 @@ class MetricsLog:
 
   def _progress(self, row):
     step = row["step"]
-    done = step - self._start_step
-    elapsed = time.time() - self._t0
-    eta = elapsed / done * (self.total_steps - step) if done > 0 else math.nan
+    eta = self._eta(step)
     width = 24
     filled = int(width * step / max(self.total_steps, 1))
     parts = [f"[{'#' * filled}{'.' * (width - filled)}] "
@@ -157,6 +156,21 @@ class MetricsLog:
     else:
       sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+  def _eta(self, step):
+    """Seconds left at `step`, at the rate of the steps after the first row
+    past start_step: the steps up to that row include compiling the train
+    step, which would inflate the estimate many times over on a short run
+    (NaN, shown as "?", until a second row comes)."""
+    if step <= self._start_step:
+      return math.nan
+    now = self._clock()
+    if self._first is None:
+      self._first = (now, step)
+    since, first_step = self._first
+    if step == first_step:
+      return math.nan
+    return (now - since) / (step - first_step) * (self.total_steps - step)
 
   def close(self):
     if self._tb is not None:
