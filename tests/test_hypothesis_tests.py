@@ -1,5 +1,6 @@
 """Holm, sign flips, power, declarations and verdicts on cases with known answers."""
 
+import itertools
 import json
 import math
 
@@ -39,7 +40,22 @@ def test_sign_flip_p_counts_patterns():
   assert hypothesis_tests.sign_flip_p([3.0, -1.0, 2.0]) == pytest.approx(0.5)
   assert hypothesis_tests.sign_flip_p([1.0, -1.0]) == 1.0
   with pytest.raises(ValueError, match="2\\^n"):
-    hypothesis_tests.sign_flip_p(np.ones(21))
+    hypothesis_tests.sign_flip_p(np.ones(41))
+
+
+def test_sign_flip_p_is_the_count_over_every_pattern():
+  rng = np.random.default_rng(3)
+  for n in (1, 2, 5, 9, 14):  # against all 2^n patterns, written out
+    v = rng.normal(0.3, 1.0, n)
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+    want = np.mean(np.abs(signs @ v) >= abs(v.sum()) * (1 - 1e-12))
+    assert hypothesis_tests.sign_flip_p(v) == pytest.approx(want, abs=1e-15)
+  # 25 seeds (E5's): powers of two give 2^25 distinct sums; only the observed
+  # pattern and its mirror reach |sum|, and 25 equal values likewise
+  assert hypothesis_tests.sign_flip_p(2.0 ** np.arange(25)) == 2 / 2 ** 25
+  assert hypothesis_tests.sign_flip_p(np.ones(25)) == 2 / 2 ** 25
+  # +-1 in equal numbers: every pattern's |sum| >= 0
+  assert hypothesis_tests.sign_flip_p([1.0, -1.0] * 12) == 1.0
 
 
 def test_t_p_value_matches_scipy():
