@@ -37,6 +37,7 @@ from fp4jax.data import pipeline
 from fp4jax.data import sources
 from fp4jax.data import tokenizers
 from fp4jax.train import init_from
+from fp4jax.train import next_steps
 from fp4jax.train import profile
 from fp4jax.train import run_layout
 from fp4jax.train import throughput
@@ -476,6 +477,8 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
   if main:
     workdir_lib.write_json(run_layout.summary_file(workdir), summary)
     _print_summary(summary)
+    print(next_steps.outputs_and_next(workdir, checkpointing.committed_steps(ckpts.directory),
+                                      next_steps.python_command()), flush=True)
   return summary
 
 
