@@ -8,7 +8,7 @@ import sys
 
 BENCHMARKS = ("dot_general", "kernels", "memory", "train_step", "crosscheck", "train_speed",
               "gpu_check", "gpu_plan", "gpu_summary", "gemm_dtype", "gpu_compile",
-              "study_throughput", "gpu_shards")
+              "study_throughput", "gpu_shards", "sass_loops", "gpu_fit")
 _USAGE = f"usage: python -m fp4jax.bench {{{','.join(BENCHMARKS)}}} [flags]"
 
 

@@ -35,6 +35,7 @@ MMA = re.compile(r"\b(UTC[A-Z]*MMA(?:\.\w+)*|[A-Z]GMMA|[A-Z]MMA)\b([^;]*)")
 # A block-scaled tcgen05 MMA names its scales' tensor memory after the instruction
 # descriptor (an A operand read from tensor memory comes first, as in UTCHMMA's).
 _SCALES_AFTER_IDESC = re.compile(r"idesc\[[^\]]*\],\s*tmem\[")
+_RESOURCE_ATTRS = {0x2f: "registers", 0x11: "stack_bytes"}  # EIATTR_REGCOUNT, _FRAME_SIZE
 
 
 def _varint(data, i):
@@ -134,13 +135,44 @@ def _nvdisasm():
   return found
 
 
-def sass_mma(image):
-  """Counter of the SASS matrix mnemonics in one cubin (nvdisasm, about 1 s)."""
+def disassemble(image):
+  """nvdisasm's SASS text of one cubin (about 1 s)."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "kernel.cubin")
     with open(path, "wb") as f:
       f.write(image)
-    sass = subprocess.run([_nvdisasm(), path], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([_nvdisasm(), path], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def resources(image):
+  """{kernel: {"registers": per thread, "stack_bytes": its stack frame (spills and
+  local arrays)}} of a cubin, from the EIATTR_REGCOUNT and EIATTR_FRAME_SIZE records
+  of its `.nv.info` section (64-bit little-endian ELF, as ptxas writes it)."""
+  shoff, = struct.unpack_from("<Q", image, 0x28)
+  entsize, count, names_index = struct.unpack_from("<HHH", image, 0x3a)
+  sections = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * entsize)
+              for i in range(count)]
+  text = lambda table, at: image[table + at:image.index(b"\0", table + at)].decode()
+  names = {text(sections[names_index][4], s[0]): s for s in sections}
+  if ".nv.info" not in names:  # not a cubin (a host object) or one without kernels
+    return {}
+  symtab, strtab = names[".symtab"], names[".strtab"]
+  symbol = lambda index: text(strtab[4], struct.unpack_from("<I", image, symtab[4] + 24 * index)[0])
+  info = names[".nv.info"]
+  out, at, end = {}, info[4], info[4] + info[5]
+  while at < end:  # records: format byte, attribute byte, then by format a value or a size
+    fmt, attr, size = image[at], image[at + 1], struct.unpack_from("<H", image, at + 2)[0]
+    if fmt == 4 and attr in _RESOURCE_ATTRS:  # (symbol index, value)
+      index, value = struct.unpack_from("<II", image, at + 4)
+      out.setdefault(symbol(index), {})[_RESOURCE_ATTRS[attr]] = value
+    at += 4 + (size if fmt == 4 else 0)
+  return out
+
+
+def sass_mma(image):
+  """Counter of the SASS matrix mnemonics in one cubin (nvdisasm, about 1 s)."""
+  sass = disassemble(image)
   return collections.Counter(
       op + (" block-scaled" if _SCALES_AFTER_IDESC.search(operands) else "")
       for op, operands in MMA.findall(sass))
