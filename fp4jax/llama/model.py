@@ -37,6 +37,18 @@ of the same 32-token block, and a future token can change earlier logits
 (docs/training.md). Use it for numerics studies, not to train models meant
 to be causal. The default (linears only) is strictly
 causal: linears quantize along features, never across tokens, in the forward.
+
+Cached decoding (fp4jax.generate): `init_cache(config, start_B, max_length)`
+makes a "cache" collection; `Llama.apply({"params": ..., "cache": cache},
+tokens_BxL, mutable=["cache"])` then runs the same layers on L new tokens per
+row (a prompt, then one token at a time), writes their keys and values into
+the cache and attends over the cached ones. Row b's tokens sit in slots
+start_B[b].. of the cache (left padding before it is never attended to) and
+have RoPE positions counted from there. The attention products run in the
+compute dtype (quantize_attention is refused: its blocks run along the key
+axis, which decoding never holds whole); per-tensor scales (NVFP4, FP8) are
+taken over the tokens of each call, as the forward takes them over its input.
+Without a "cache" collection (training, evaluation) none of this runs.
 """
 
 import dataclasses
@@ -248,10 +260,11 @@ def apply_rope(x_BxLxHxD, positions_L, inv_freq_K):
 
   The half-split pairing (as in Hugging Face / MaxText Llama) equals Meta's
   interleaved pairing up to a fixed permutation of the q and k kernels.
+  positions_L: int [L], or [B, L] (each row its own, as in cached decoding).
   Computed in float32; returns x's dtype.
   """
-  angle_LxK = positions_L[:, None].astype(jnp.float32) * inv_freq_K[None, :]
-  sin, cos = jnp.sin(angle_LxK)[:, None, :], jnp.cos(angle_LxK)[:, None, :]
+  angle_LxK = positions_L[..., None].astype(jnp.float32) * inv_freq_K
+  sin, cos = jnp.sin(angle_LxK)[..., None, :], jnp.cos(angle_LxK)[..., None, :]
   x1, x2 = jnp.split(x_BxLxHxD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxD.dtype)
@@ -350,6 +363,9 @@ class Attention(nn.Module):
 
     length = x_BxLxD.shape[1]
     inv_freq = jnp.asarray(rope_frequencies(cfg))
+    if self.has_variable("cache", "keys"):
+      y_BxLxHxD = self._cached(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, inv_freq)
+      return linear("attn/o")(_constrain(y_BxLxHxD, "activation_heads", None))
     positions = jnp.arange(length)
     q_BxLxHxD = apply_rope(q_BxLxHxD, positions, inv_freq)
     k_BxLxKxD = apply_rope(k_BxLxKxD, positions, inv_freq)
@@ -372,9 +388,58 @@ class Attention(nn.Module):
     y_BxLxHxD = _constrain(y_BxLxHxD, "activation_heads", None)
     return linear("attn/o")(y_BxLxHxD)
 
+  def _cached(self, q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, inv_freq):
+    """Attention of L new tokens per row over the cache (init_cache), which
+    they are written into first: slots next..next+L-1, RoPE positions
+    slot - start[b]; a query sees the keys of its row from start[b] to its own."""
+    if self.config.quantize_attention:
+      raise ValueError("cached decoding cannot run quantize_attention=True: PV's blocks "
+                       "run along the key axis, which a decoding step never holds whole")
+    k_cache = self.variable("cache", "keys", lambda: None)
+    v_cache = self.variable("cache", "values", lambda: None)
+    next_slot = self.variable("cache", "next", lambda: None)
+    start_B = self.variable("cache", "start", lambda: None).value
+    length = q_BxLxHxD.shape[1]
+    slots_L = next_slot.value + jnp.arange(length)
+    positions_BxL = slots_L[None, :] - start_B[:, None]
+    q_BxLxHxD = apply_rope(q_BxLxHxD, positions_BxL, inv_freq)
+    k_BxLxKxD = apply_rope(k_BxLxKxD, positions_BxL, inv_freq)
+    at = (0, next_slot.value, 0, 0)
+    k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k_BxLxKxD, at)
+    v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v_BxLxKxD, at)
+    next_slot.value = next_slot.value + length
+    keys_S, slots_1xLx1 = jnp.arange(k_cache.value.shape[1]), slots_L[None, :, None]
+    # A padding query (slot < start) sees itself alone: finite, and seen by no other.
+    visible_BxLxS = (keys_S <= slots_1xLx1) & (
+        (keys_S >= start_B[:, None, None]) | (keys_S == slots_1xLx1))
+    return _causal_gqa(q_BxLxHxD, k_cache.value, v_cache.value, jax.lax.dot_general,
+                       jax.lax.dot_general, visible_BxLxS)
 
-def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
-  """softmax(q k^T / sqrt(D) + causal mask) v; query head h uses kv head h // (H/K)."""
+
+def init_cache(config: LlamaConfig, start_B, max_length: int):
+  """An empty "cache" collection for cached decoding of len(start_B) rows of
+  at most `max_length` tokens; row b's first token goes to slot start_B[b]
+  (the slots before it hold left padding, never attended to).
+
+  Per attention layer: keys, values [B, max_length, kv_heads, head_dim] in the
+  compute dtype (zeros), next (int32: the next slot to fill, 0) and start
+  (int32 [B]); under scan_layers each with a leading layers axis.
+  """
+  start_B = jnp.asarray(start_B, jnp.int32)
+  kv = (start_B.shape[0], max_length, config.n_kv_heads, config.head_dim)
+  layer = dict(keys=jnp.zeros(kv, config.dtype), values=jnp.zeros(kv, config.dtype),
+               next=jnp.zeros((), jnp.int32), start=start_B)
+  if config.scan_layers:
+    stacked = jax.tree.map(lambda x: jnp.stack([x] * config.n_layers), layer)
+    return {"blocks": {"attn": stacked}}
+  return {f"block_{i}": {"attn": dict(layer)} for i in range(config.n_layers)}
+
+
+def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot, visible_BxLxS=None):
+  """softmax(q k^T / sqrt(D) + causal mask) v; query head h uses kv head h // (H/K).
+
+  visible_BxLxS (cached decoding): which keys each query sees, in place of
+  the causal mask of L = S."""
   b, length, h, d = q_BxLxHxD.shape
   kv = k_BxSxKxD.shape[2]
   q_BxLxKxGxD = q_BxLxHxD.reshape(b, length, kv, h // kv, d)
@@ -382,19 +447,25 @@ def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot):
   s_BxKxLxGxS = qk_dot(q_BxLxKxGxD, k_BxSxKxD, (((4,), (3,)), ((0, 2), (0, 2))),
                        preferred_element_type=jnp.float32)
   p_BxKxLxGxS = recomputed(functools.partial(_causal_softmax, head_dim=d,
-                                             dtype=q_BxLxHxD.dtype))(s_BxKxLxGxS)
+                                             dtype=q_BxLxHxD.dtype))(s_BxKxLxGxS,
+                                                                     visible_BxLxS)
   # Batch dims (B, K); contract S.  -> [B, K, L, G, D]
   y_BxKxLxGxD = pv_dot(p_BxKxLxGxS, v_BxSxKxD, (((4,), (1,)), ((0, 1), (0, 2))))
   y_BxKxLxGxD = y_BxKxLxGxD.astype(q_BxLxHxD.dtype)
   return y_BxKxLxGxD.transpose(0, 2, 1, 3, 4).reshape(b, length, h, d)
 
 
-def _causal_softmax(s_BxKxLxGxS, head_dim, dtype):
-  """softmax(s / sqrt(head_dim) + causal mask) over the keys, in float32; returns `dtype`."""
+def _causal_softmax(s_BxKxLxGxS, visible_BxLxS, head_dim, dtype):
+  """softmax(s / sqrt(head_dim) + causal mask) over the keys, in float32; returns `dtype`.
+
+  visible_BxLxS: the keys each query sees instead of the causal mask (None: causal)."""
   length = s_BxKxLxGxS.shape[2]
   s_BxKxLxGxS = s_BxKxLxGxS.astype(jnp.float32) / math.sqrt(head_dim)
-  causal_LxS = jnp.arange(length)[:, None] >= jnp.arange(length)[None, :]
-  s_BxKxLxGxS = jnp.where(causal_LxS[:, None, :], s_BxKxLxGxS, -jnp.inf)
+  if visible_BxLxS is None:
+    visible = (jnp.arange(length)[:, None] >= jnp.arange(length)[None, :])[:, None, :]
+  else:
+    visible = visible_BxLxS[:, None, :, None, :]
+  s_BxKxLxGxS = jnp.where(visible, s_BxKxLxGxS, -jnp.inf)
   return jax.nn.softmax(s_BxKxLxGxS, axis=-1).astype(dtype)
 
 
@@ -478,7 +549,7 @@ class Llama(nn.Module):
         raise ValueError("the per-block Wgrad switch needs scan_layers=False")
       blocks = nn.scan(
           block_cls,
-          variable_axes={"params": 0, "intermediates": 0, "perturbations": 0},
+          variable_axes={"params": 0, "intermediates": 0, "perturbations": 0, "cache": 0},
           split_rngs={"params": True, "quant": True, "hadamard": True},
           length=cfg.n_layers,
           metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.recipe, name="blocks")
