@@ -39,8 +39,8 @@ class Trained:
 
   path: as given. run_dir: the run (None for an export). step: the
   checkpoint asked (None: the run's newest; an export has none). config:
-  the run's config.json (None for an export). model_cfg: its LlamaConfig,
-  not rematerialized. tokenizer: the one it trained with. context: the
+  the run's config.json (None for an export). model_cfg: its LlamaConfig.
+  tokenizer: the one it trained with. context: the
   longest sequence it saw (the run's seq_len; an export's
   max_position_embeddings).
   """
@@ -121,7 +121,7 @@ def _run(path, run_dir, step):
   except (ValueError, OSError, ImportError) as e:
     raise errors.UserError(f"the tokenizer of {run_dir!r}: {e}") from None
   return Trained(path=path, run_dir=run_dir, step=step, config=config,
-                 model_cfg=dataclasses.replace(cfg, remat="none"), tokenizer=tokenizer,
+                 model_cfg=cfg, tokenizer=tokenizer,
                  context=int(config["seq_len"]))
 
 

@@ -120,7 +120,7 @@ def _main(args):
   prompts, max_new = _encode(texts, model.tokenizer, model.context, args.max_new_tokens)
   step, params = model.load(hf_llama.abstract_params(model.model_cfg))
   recipe = model.recipe(args.quant, step)
-  cfg = model.model_cfg
+  cfg = dataclasses.replace(model.model_cfg, remat="none")  # remat: the same forward
   if cfg.quantize_attention:
     if recipe.name != trained_lib.PLAIN:
       raise errors.UserError(
