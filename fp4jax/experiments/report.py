@@ -511,6 +511,21 @@ def smallest_effect(runs, decl):
   return slope, hypothesis_tests.effect_nats(slope, decl.smallest_effect_tokens)
 
 
+def judge(runs, decl) -> tuple:
+  """The declaration's claims on `runs`: (the baseline's late slope, the
+  smallest effect in nats, [verdicts.ClaimResult], the diverged runs
+  {(recipe, seed): what happened})."""
+  slope, smallest = smallest_effect(runs, decl)
+  evaluated = {rc: [r for r in rs if r.loss_T.size] for rc, rs in runs.items()}
+  if decl.primary == "late_mean":
+    primary = {rc: {r.seed: stats.late_mean(r.tokens_T, r.loss_T, decl.late_from) for r in rs}
+               for rc, rs in evaluated.items() if rs}
+  else:
+    primary = {rc: {r.seed: r.final_loss for r in rs} for rc, rs in evaluated.items() if rs}
+  diverged = diverged_runs(runs)
+  return slope, smallest, verdicts.evaluate(decl, primary, smallest, set(diverged)), diverged
+
+
 def verdict_section(runs, decl, workdir):
   """Markdown: the declaration's status, its smallest effect in nats, one line per claim."""
   if decl is None:
@@ -524,18 +539,10 @@ def verdict_section(runs, decl, workdir):
       "undeclared": "**EXPLORATORY: these rules were fixed after the data were seen** (no "
                     "declaration was recorded when the first run began)."}[state]
   base = runs.get(decl.baseline) or []
-  slope, smallest = smallest_effect(runs, decl)
-  evaluated = {rc: [r for r in rs if r.loss_T.size] for rc, rs in runs.items()}
-  if decl.primary == "late_mean":
-    primary = {rc: {r.seed: stats.late_mean(r.tokens_T, r.loss_T, decl.late_from) for r in rs}
-               for rc, rs in evaluated.items() if rs}
-    what = (f"the per-seed mean over the evaluations in the last {1 - decl.late_from:.0%} of "
-            "training of the contrast of validation losses")
-  else:
-    primary = {rc: {r.seed: r.final_loss for r in rs} for rc, rs in evaluated.items() if rs}
-    what = "the per-seed contrast of final validation losses"
-  diverged = diverged_runs(runs)
-  results = verdicts.evaluate(decl, primary, smallest, set(diverged))
+  slope, smallest, results, diverged = judge(runs, decl)
+  what = (f"the per-seed mean over the evaluations in the last {1 - decl.late_from:.0%} of "
+          "training of the contrast of validation losses" if decl.primary == "late_mean" else
+          "the per-seed contrast of final validation losses")
   return ["", f"Verdicts by the declaration `{os.path.basename(decl.path)}` of study "
           f"`{decl.study}`. {head} Primary statistic: {what}. Smallest effect of interest: "
           f"{decl.smallest_effect_tokens:.0%} more tokens = {smallest:.4f} nats through "

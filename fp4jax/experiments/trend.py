@@ -143,9 +143,15 @@ def falling(slope, slopes) -> bool:
 
 def load_width(folder, width, params) -> Width:
   """The Width of FOLDER/w<width> (module docstring)."""
-  sub = os.path.join(folder, f"w{width}")
+  return load_study(os.path.join(folder, f"w{width}"), width, params)
+
+
+def load_study(sub, width=0, params=0, path=None) -> Width:
+  """The study folder `sub` (its runs, and the declaration `path`, default
+  its own DECLARATION.json) as a Width (width, params: its model's, where
+  the study is one of a trend's)."""
   runs = report.load_runs(sub) if os.path.isdir(sub) else {}
-  path = os.path.join(sub, "DECLARATION.json")
+  path = path or os.path.join(sub, "DECLARATION.json")
   decl = declaration.load(path) if runs or os.path.exists(path) else None
   state = declaration.status(sub, path) if decl else ""
   if not runs:
@@ -325,7 +331,7 @@ def _extra(y) -> float:
     return math.inf
 
 
-def _pct(y) -> str:
+def extra_text(y) -> str:
   return f"{_extra(y):+.1%}"
 
 
@@ -414,11 +420,11 @@ def table(decl, widths, done, folder=None, state="declared", recorded_now=False)
     cells = []
     for w in widths_:
       ys = list(o.by_width[w].values())
-      cells.append(f"{_pct(float(np.mean(ys)))}, n={len(ys)}" if ys else "-")
+      cells.append(f"{extra_text(float(np.mean(ys)))}, n={len(ys)}" if ys else "-")
     if o.fit:
       y8, se8 = o.fit.line_at(x8)
       half = scipy_stats.t.ppf(0.975, o.fit.df) * se8
-      at8 = f"{_pct(y8)} [{_pct(y8 - half)}, {_pct(y8 + half)}]"
+      at8 = f"{extra_text(y8)} [{extra_text(y8 - half)}, {extra_text(y8 + half)}]"
       slope = (f"{o.fit.slope:+.4f} [{o.interval[0]:+.4f}, {o.interval[1]:+.4f}] ({o.level:.2%})"
                if math.isfinite(o.level) else f"{o.fit.slope:+.4f} (no verdict)")
     else:
@@ -460,15 +466,16 @@ def plot(path, decl, widths, done):
   plt.close(fig)
 
 
-def _written(path, write):
-  """write(); an OSError (a read-only folder, a full disk) as a UserError naming `path`."""
+def written(path, write, what="the trend writes its record, trend.md and trend.png into "
+            "the study folder"):
+  """write(); an OSError (a read-only folder, a full disk) as a UserError
+  naming `path` and `what` the command writes."""
   try:
     return write()
   except OSError as e:
     if errors.is_disk_full(e):
       raise errors.disk_full(path, None) from None
-    raise errors.UserError(f"cannot write {path!r}: {e.strerror or e} (the trend writes "
-                           "its record, trend.md and trend.png into the study folder)") from None
+    raise errors.UserError(f"cannot write {path!r}: {e.strerror or e} ({what})") from None
 
 
 def write(folder) -> str:
@@ -478,7 +485,7 @@ def write(folder) -> str:
   path = os.path.join(folder, "DECLARATION.json")
   state = declaration.status(folder, path)
   if state == "undeclared":
-    _written(os.path.join(folder, declaration.RECORD),
+    written(os.path.join(folder, declaration.RECORD),
              lambda: declaration.record(folder, path, check=read_declaration))
   text = "\n".join(table(decl, widths, done, folder, state, state == "undeclared")) + "\n"
   md = os.path.join(folder, "trend.md")
@@ -487,9 +494,9 @@ def write(folder) -> str:
     with open(md, "w") as f:
       f.write(text)
 
-  _written(md, write_md)
+  written(md, write_md)
   png = os.path.join(folder, "trend.png")
-  _written(png, lambda: plot(png, decl, widths, done))
+  written(png, lambda: plot(png, decl, widths, done))
   return text
 
 

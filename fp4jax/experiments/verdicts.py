@@ -104,7 +104,7 @@ def evaluate(decl, primary, smallest, diverged=frozenset()) -> list[ClaimResult]
   return out
 
 
-def _fmt_p(p):
+def fmt_p(p):
   return "-" if not math.isfinite(p) else f"{p:.3f}" if p >= 0.001 else f"{p:.1e}"
 
 
@@ -134,10 +134,10 @@ def lines(results, smallest, power=0.8) -> list[str]:
       parts.append(
           f"{c.label} = {_nats(c.interval.mean)} [{_nats(c.interval.lo)}, "
           f"{_nats(c.interval.hi)}] nats (claim {c.direction} 0: {c.verdict}; t p = "
-          f"{_fmt_p(c.t_p)}, sign-flip p = {_fmt_p(c.flip_p)}; MDE at {power:.0%} power "
+          f"{fmt_p(c.t_p)}, sign-flip p = {fmt_p(c.flip_p)}; MDE at {power:.0%} power "
           f"{_nats(c.mde, '.4f')} nats: the design {seen} {smallest:.4f}; {_seeds_text(c)})")
-    p = (f"Claim p = {_fmt_p(r.p)}" if r.judged else
+    p = (f"Claim p = {fmt_p(r.p)}" if r.judged else
          "Not judged: a run diverged (claim p taken as 1)")
     out.append(f"- **{r.verdict}**: {r.text}. {p}, Holm-adjusted "
-               f"{_fmt_p(r.p_holm)}; {r.level:.2%} intervals. " + "; ".join(parts) + ".")
+               f"{fmt_p(r.p_holm)}; {r.level:.2%} intervals. " + "; ".join(parts) + ".")
   return out
