@@ -17,7 +17,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from fp4jax import errors
-from fp4jax.experiments import declaration, stage_cumulative
+from fp4jax.experiments import declaration, report, stage_cumulative
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECLARATION = ROOT / "results" / "stage_cumulative" / "DECLARATION.json"
@@ -152,6 +152,9 @@ def test_without_runs_it_says_so_and_writes_nothing(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "stage_cumulative: no runs yet" in out and "tpp0.25" in out and "tpp2.6" in out
   assert not (folder / "stage_cumulative.md").exists()
+  # the runner's report on the umbrella folder names this command
+  assert report.main(["x", str(folder)]) == 2
+  assert f"python -m fp4jax.experiments.stage_cumulative {folder}" in capsys.readouterr().err
 
 
 def test_the_committed_folder_reads(capsys):

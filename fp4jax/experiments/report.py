@@ -572,7 +572,8 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
         f"{workdir!r} is the folder of one run (it holds metrics.jsonl); give "
         f"the folder that holds the runs, e.g. {parent!r}")
   if not runs:
-    raise errors.UserError(f"no runs with metrics.jsonl under {workdir!r}")
+    raise errors.UserError(f"no runs with metrics.jsonl under {workdir!r}"
+                           + _umbrella_hint(workdir))
   default = os.path.join(workdir, "DECLARATION.json")
   decl = declaration_lib.load(declaration or default) if (
       declaration or os.path.exists(default)) else None
@@ -597,6 +598,24 @@ def write_report(workdir, recipes=None, baseline="fp8", target=None, diverge_los
     for run in rs:
       figures.plot_diagnostics(os.path.join(run.path, DIAGNOSTICS), run)
   return rows
+
+
+# The command that reads a folder of studies, by its DECLARATION.json's key.
+UMBRELLAS = {"horizon_contrast": "python -m fp4jax.experiments.stage_cumulative",
+             "trend": "python -m fp4jax.experiments.trend"}
+
+
+def _umbrella_hint(workdir) -> str:
+  """Where `workdir` declares studies in its subfolders: the command that reads them."""
+  try:
+    with open(os.path.join(workdir, "DECLARATION.json"), encoding="utf-8") as f:
+      keys = json.load(f)
+  except (OSError, ValueError):
+    return ""
+  hits = [f"{cmd} {workdir}" for key, cmd in UMBRELLAS.items() if isinstance(keys, dict)
+          and key in keys]
+  return (f" (its DECLARATION.json declares studies in its subfolders: read them with "
+          f"{hits[0]}, or give one subfolder)") if hits else ""
 
 
 def check_report_files(workdir, run_paths):

@@ -376,7 +376,8 @@ def text(folder) -> tuple:
   """(the reading's markdown, whether any horizon has runs)."""
   raw, decl, spec, horizons = read(folder)
   if not any(h.study.runs for h in horizons.values()):
-    where = "; ".join(f"{h.folder}: {h.study.withheld}" for h in horizons.values())
+    where = "; ".join(f"{h.folder} " + ("holds none" if os.path.isdir(h.folder) else
+                                        "does not exist") for h in horizons.values())
     return (f"{raw['study']}: no runs yet ({where}). Start them with the declaration's "
             f"design.command.\n"), False
   smallest = math.log1p(decl.smallest_effect_tokens)
