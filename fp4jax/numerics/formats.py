@@ -331,6 +331,19 @@ def _recip(c):
   return jnp.float32(1.0 / c)
 
 
+QUANTIZE_SCOPE = "fp4jax_quantize:"  # + repr(spec): the name fp4jax.audit finds quantizers by
+
+
+def _named_by_spec(fn):
+  """fn(x, spec, ...) inside jax.named_scope(QUANTIZE_SCOPE + repr(spec)); names only."""
+  @functools.wraps(fn)
+  def named(x, spec, *args):
+    with jax.named_scope(f"{QUANTIZE_SCOPE}{spec!r}"):
+      return fn(x, spec, *args)
+  return named
+
+
+@_named_by_spec
 def _element_values(x, spec, axis, key):
   """Core of quantize/fake_quantize on float32 x.
 

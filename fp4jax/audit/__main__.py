@@ -1,0 +1,81 @@
+"""python -m fp4jax.audit CONFIG-or-RUN [--config.KEY=VALUE ...]
+
+Traces the train step of a config file (e.g. configs/default.py) or of a run
+directory (its config.json), as the trainer builds it, and prints every
+GEMM's precision as it is in the trace, per layer and role, beside what the
+recipe asks (fp4jax.audit). `--config.KEY=VALUE` overrides a key as train.py
+does (`--config.quant=NAME` names a preset). Nothing is compiled or run.
+
+Exit status: 0 when every GEMM runs as its recipe asks, 1 when some do not
+(each printed as MISMATCH), 2 on bad input (one line).
+"""
+
+import os
+import sys
+
+from fp4jax import errors
+
+errors.exit_on_signals("fp4jax.audit", "during the audit; stopped.")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+import ml_collections  # pylint: disable=g-import-not-at-top
+from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
+from fp4jax import audit  # pylint: disable=g-import-not-at-top
+from fp4jax.audit import report  # pylint: disable=g-import-not-at-top
+from fp4jax.train import cli  # pylint: disable=g-import-not-at-top
+from fp4jax.train import run_layout  # pylint: disable=g-import-not-at-top
+
+PROG = "fp4jax.audit"
+USAGE = f"usage: python -m {PROG} CONFIG.py-or-RUN_DIR [--config.KEY=VALUE ...]"
+
+
+def _run_config(run):
+  """The ConfigDict a run directory was trained with (its config.json)."""
+  saved, problem = run_layout.saved_config(run)
+  if problem is not None:
+    raise errors.UserError(f"{run!r} is a folder but not a run: its "
+                           f"{run_layout.CONFIG} {problem}")
+  return ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "resolved"})
+
+
+def define_config(argv):
+  """Defines the absl flag `config` from argv[1] (a config file or a run directory);
+  returns argv with that argument as --config=FILE (a file) or dropped (a run)."""
+  if len(argv) < 2 or argv[1].startswith("-"):
+    raise errors.UserError(f"give a config file or a run directory first; {USAGE}")
+  target, rest = argv[1], cli.expand_quant_flag(argv[2:])
+  if os.path.isdir(target):
+    config_flags.DEFINE_config_dict("config", _run_config(target), "the run's config")
+    return [argv[0]] + rest
+  if not target.partition(":")[0].endswith(".py"):
+    raise errors.UserError(f"{target!r} is neither a config file (.py) nor a run "
+                           f"directory; {USAGE}")
+  argv = [argv[0], f"--config={target}"] + rest
+  cli.check_config_overrides(argv)
+  config_flags.DEFINE_config_file("config", target, "ml_collections config file")
+  return argv
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    audits = audit.audit_config(app.flags.FLAGS.config)
+  except errors.UserError as e:
+    return errors.report(PROG, e)
+  bad = 0
+  for segment, rows in audits:
+    print(segment)
+    print(report.table(rows))
+    print(f"audit: {report.summary(rows)}")
+    bad += sum(1 for r in rows if r.mismatch)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  try:
+    sys.argv = define_config(sys.argv)
+  except errors.UserError as e:
+    sys.exit(errors.report(PROG, e))
+  app.run(main, flags_parser=cli.flags_parser(PROG))
