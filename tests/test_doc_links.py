@@ -1,4 +1,4 @@
-"""Every relative link in README.md and docs/*.md resolves.
+"""Every relative link in README.md and the pages under docs/ resolves.
 
 A link [text](path) must name an existing file; [text](page.md#anchor) and
 [text](#anchor) must also name a heading of that page, by GitHub's anchor
@@ -43,7 +43,7 @@ def broken_links(pages):
 
 
 def test_every_doc_link_resolves():
-  pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
   bad = broken_links(pages)
   assert not bad, "broken links:\n" + "\n".join(bad)
 

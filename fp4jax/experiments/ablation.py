@@ -54,7 +54,7 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
                          on every core
   ablation.parallel      runs side by side (0: as many as fit the cores, 2 on a
                          2-core machine: 1.43x the runs per hour of one run on both
-                         cores, docs/ablation.md); not part of a study's config
+                         cores, docs/studies/method.md); not part of a study's config
   ablation.baseline      recipe whose final validation loss is the target ("fp8")
   ablation.target_at     the target is the baseline's validation loss at this
                          fraction of its tokens (1.0: its final loss)
