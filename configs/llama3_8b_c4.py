@@ -24,9 +24,16 @@ Global batch 32 x 8192 tokens, AdamW (0.9, 0.95, eps 1e-5, wd 0.1), peak lr
 (a log-perplexity). The paths below are placeholders; the run fails at start
 with a clear message until they point at real files.
 
-micro_batch is global (sequences per accumulation step over all devices):
-MLPerf's micro-batch of 2 per device on 8 devices is micro_batch=16, i.e. two
-accumulation steps per global batch of 32. Set 2 x (data x fsdp devices).
+The mesh: FSDP over the 8 GPUs of a host (fsdp=8: parameters, gradients and
+Adam moments split 8 ways, ZeRO-3), data parallelism across hosts (data=-1:
+2 hosts of 8 are data=2). Pure data parallelism (the base config's data=-1)
+does not fit: every GPU would hold the whole model's float32 parameters and
+moments (docs/sharding.md has the per-GPU memory of each recipe and backend on
+8 x H200, B200 and H100, compiled without the GPUs by `python -m fp4jax.bench
+gpu_fit`). micro_batch is global (sequences per accumulation step over all
+devices): MLPerf's micro-batch of 2 per device on 8 devices is micro_batch=16,
+i.e. two accumulation steps per global batch of 32; on 16 GPUs it is one
+sequence per GPU (or micro_batch=32: two each, no accumulation).
 Not given by the paper and chosen here: steps (the cosine horizon),
 eval_every, the validation size (eval_batches x eval_batch_size sequences).
 """
@@ -45,7 +52,10 @@ def get_config():
   config.data.val_path = "/path/to/c4/en/c4-validation.*-of-00008.json.gz"
   config.data.tokenizer = "/path/to/Llama-3.1-8B/tokenizer.json"
   config.batch_size = 32
-  config.micro_batch = 16
+  config.micro_batch = 16          # 2 sequences per GPU on 8 GPUs
+  config.mesh.data = -1            # across hosts
+  config.mesh.fsdp = 8             # within a host
+  config.mesh.tensor = 1
   config.seq_len = 8192
   config.lr = 8e-4
   config.min_lr_ratio = 0.1

@@ -10,6 +10,7 @@ asserted as found, so a change in XLA shows up here.
 
 import collections
 import importlib.util
+import json
 import os
 import subprocess
 
@@ -17,8 +18,10 @@ import jax
 import numpy as np
 import pytest
 
-from fp4jax.bench import gpu_binary, gpu_compile, gpu_shards, hlo_stats
-from tests.helpers import exit_2_line
+from fp4jax import shard_local
+from fp4jax.bench import gpu_binary, gpu_compile, gpu_fit, gpu_shards, hlo_stats
+from fp4jax.train import step as train_step
+from tests.helpers import exit_2_line, main_in_process
 
 PLUGIN = any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
 needs_plugin = pytest.mark.skipif(
@@ -27,7 +30,7 @@ needs_plugin = pytest.mark.skipif(
 BLOCK_SCALED_TCGEN05 = {"UTCOMMA block-scaled", "UTCQMMA block-scaled"}
 
 
-@pytest.fixture(scope="module", params=gpu_compile.TARGETS)
+@pytest.fixture(scope="module", params=("h200", "b200"))
 def mesh(request):
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   devices = gpu_compile.target_devices(request.param)
@@ -80,6 +83,16 @@ def test_targets_are_the_datasheet_devices(mesh):
   (device,) = m.devices.flat
   want = {"h200": ("NVIDIA H200", "9.0"), "b200": ("NVIDIA B200", "10.0")}[target]
   assert (device.device_kind, str(device.compute_capability)) == want
+
+
+@needs_plugin
+def test_the_h100_target_is_the_datasheet_device_and_hosts_split_the_devices():
+  """h100 (80 GB, compute capability 9.0) as 2 hosts of 8: devices 0-7 on the first."""
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  devices = gpu_compile.abstract_devices("h100", 16, hosts=2)
+  assert {(d.device_kind, str(d.compute_capability)) for d in devices} == {
+      ("NVIDIA H100 80GB HBM3", "9.0")}
+  assert [d.process_index for d in devices] == [0] * 8 + [1] * 8
 
 
 @needs_plugin
@@ -364,31 +377,41 @@ def test_an_against_file_that_is_not_a_report_is_refused_before_compiling(capsys
 @pytest.fixture(scope="module")
 def h200x8():
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-  return gpu_shards.devices_of("h200", 8)
+  return gpu_compile.abstract_devices("h200", 8)
 
 
 def assert_no_kernel_sees_the_global_batch(row):
-  """Every Triton / Mosaic GPU kernel of a gpu_shards row reads one device's tokens."""
-  assert row["kernels"], row
+  """Every Triton / Mosaic GPU kernel and every GEMM of a gpu_shards row reads one
+  device's tokens (no operand, output or contraction of all of them)."""
+  assert row["kernels"] or row["gemms"], row
   assert not row["global_batch"], (
-      f"{row['recipe']} {row['backend']}: kernels on all {gpu_shards.TOKENS} tokens: "
+      f"{row['recipe']} {row['backend']}: kernels or GEMMs on all {gpu_shards.TOKENS} tokens: "
       f"{row['global_batch']}")
 
 
 @needs_plugin
-@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+@pytest.mark.parametrize("backend", ["xla", "pallas", "mosaic", "native"])
 def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, backend):
   """The Dense layer, 3,072 tokens over 8 H200s (fp4jax.bench.gpu_shards): each quantize
-  kernel and each Mosaic GPU GEMM reads 384 tokens, nothing is all-gathered, and the
-  one all-reduce is Wgrad's sum over the devices' tokens (bf16's one all-reduce, in float32)."""
+  kernel, Mosaic GPU GEMM and XLA GEMM reads 384 tokens, nothing is all-gathered, and
+  the one all-reduce is Wgrad's sum over the devices' tokens (for the kernel backends,
+  bf16's one all-reduce in float32). xla (XLA partitions its jnp program) is the control;
+  native's quantization is jnp and its GEMMs an HLO op, which XLA partitions too."""
   row = gpu_shards.row(h200x8, "mxfp4", backend, per_shard=True)
   assert_no_kernel_sees_the_global_batch(row)
-  assert any(gpu_shards.TOKENS // 8 in gpu_shards.dims(k) for k in row["kernels"]), row
+  local = gpu_shards.TOKENS // 8
+  assert any(local in gpu_shards.dims(k) for k in row["kernels"]) or backend in ("xla", "native")
   if backend == "mosaic":
     assert sum(k.startswith("mosaic") for k in row["kernels"]) == 3, row
+  if backend == "native":  # Fprop, Dgrad, Wgrad: scaled-dots on one device's tokens
+    assert sum(g.startswith("block-scaled") for g in row["gemms"]) == 3, row["gemms"]
   assert set(row["collectives"]) == {"all-reduce"}, row["collectives"]
-  # dW [K, N] in float32: the devices' partial Wgrads, summed.
-  assert row["collectives"]["all-reduce"] == (1, gpu_shards.K * gpu_shards.N * 4), row
+  count, nbytes = row["collectives"]["all-reduce"]
+  if backend in ("pallas", "mosaic"):  # dW [K, N] in float32: the devices' partial Wgrads, summed
+    assert (count, nbytes) == (1, gpu_shards.K * gpu_shards.N * 4), row
+  else:
+    assert count == 1 and nbytes in (gpu_shards.K * gpu_shards.N * 2,
+                                     gpu_shards.K * gpu_shards.N * 4), row
 
 
 @needs_plugin
@@ -408,6 +431,86 @@ def test_the_check_fails_on_the_layer_without_its_operands_specs(h200x8):
   """The planted bug: without specs (the layer before fp4jax.shard_local) the pallas
   backend's kernels quantize all 3,072 tokens on every device, after an all-gather."""
   row = gpu_shards.row(h200x8, "mxfp4", "pallas", per_shard=False)
-  with pytest.raises(AssertionError, match="kernels on all 3072 tokens"):
+  with pytest.raises(AssertionError, match="kernels or GEMMs on all 3072 tokens"):
     assert_no_kernel_sees_the_global_batch(row)
   assert row["collectives"]["all-gather"][0] >= 1
+
+
+# --- gpu_fit: a config's whole train step on 8 GPUs, compiled without them ---------------------
+
+# The tiny Llama (8 x 128 tokens: 256 per batch shard), mxfp4-dh16 on pallas, 8 H200s.
+TINY_FIT = ("--target", "h200", "--devices", "8", "--config", "configs/default.py",
+            "--config.quant.name=mxfp4-dh16", "--config.quant.backend=pallas",
+            "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+
+
+@pytest.fixture
+def fresh_step():
+  """The train step traced anew (make_programs and jit cache it) before and after."""
+  def clear():
+    train_step._programs.cache_clear()
+    jax.clear_caches()
+  clear()
+  yield
+  clear()
+
+
+@needs_plugin
+def test_gpu_fit_says_the_tiny_step_fits_with_its_figures(tmp_path, fresh_step):
+  out = tmp_path / "fit.json"
+  rc, text = main_in_process(gpu_fit.main, TINY_FIT + ("--out", str(out)))
+  assert rc == 0, text
+  report = json.loads(out.read_text())
+  assert text.strip().splitlines()[-1] == report["verdict"]
+  assert report["verdict"].startswith("configs/default.py (mxfp4-dh16 on pallas, mesh 2x2x2, "
+                                      "micro_batch 8): FITS 8 x NVIDIA H200: "), report["verdict"]
+  mem = report["memory"]
+  assert mem["total"] == mem["arguments"] + mem["outputs"] + mem["temporaries"] - mem["aliased"]
+  assert 0 < mem["total"] < report["device_memory"] == 141 * 2**30
+  assert report["tokens_per_device"] == 256
+  triton = [k for k in report["kernels"] if k["kind"] == "triton"]
+  assert triton and not any(k["whole_batch"] for k in report["kernels"]), report["kernels"]
+  # Each scanned block's GEMMs counted once per block: the compiled GEMMs (with their
+  # Hadamard rotations) are the model's 6N + attention FLOPs.
+  assert abs(report["gemm_flops"] / report["model_flops"] - 1) < 0.05, report
+  assert {"all-gather", "all-reduce", "reduce-scatter"} <= set(report["collectives"])
+  # The same figures against a GPU with a MiB less than the step needs.
+  small = dict(report, device_memory=mem["total"] - 2**20)
+  assert gpu_fit.verdict(small).endswith(
+      f"DOES NOT FIT 8 x NVIDIA H200: {mem['total'] / 2**20:.1f} MiB per device, 1.0 MiB over "
+      f"the {(mem['total'] - 2**20) / 2**20:.1f} MiB each has"), gpu_fit.verdict(small)
+
+
+@needs_plugin
+def test_gpu_fit_flags_kernels_on_the_whole_micro_batch(monkeypatch, fresh_step):
+  """The planted bug: without the mesh (as before fp4jax.shard_local) the pallas kernels
+  quantize all 8 x 128 tokens on every device; the verdict names it, exit status 1."""
+  monkeypatch.setattr(shard_local, "active_mesh", lambda: None)
+  rc, text = main_in_process(gpu_fit.main, TINY_FIT)
+  assert rc == 1, text
+  assert "WHOLE MICRO-BATCH" in text
+  assert text.strip().splitlines()[-1].endswith(
+      "kernel calls read or write the whole micro-batch (1,024 tokens) on every device"), text
+
+
+@pytest.mark.parametrize("target, extra, names", [
+    ("a100", (), ("argument --target: invalid choice: 'a100'",)),
+    ("h200", ("--hosts", "3"), ("gpu_fit: --devices 8 is not divisible by --hosts 3",)),
+    ("h200", ("--config.mesh.data=4",),
+     ("mesh data=4, fsdp=1, tensor=1 needs 4 devices, but 8 are",)),
+    ("h200", ("--config.quant.name=mxfp4", "--config.mesh.data=1", "--config.mesh.fsdp=8"),
+     ("layer blocks/attn/q: fprop", "local size 16", "MX block 32")),
+    ("h200", ("--config.micro_batch=4", "--config.batch_size=4"),
+     ("micro_batch 4 (config.micro_batch; 0 = batch_size) is not divisible by the 8 batch",)),
+    ("h200", ("--config.mesh.dta=2",), ("unknown config key --config.mesh.dta (did you mean",)),
+    ("b200", ("--config.quant.backend=mosaic",),
+     ("mosaic is for compute capability 9.x only (Hopper); target b200 is 10.0",)),
+    ("h200", ("--config.quant.name", "mxfp4"),
+     ("unrecognized arguments: --config.quant.name mxfp4",)),
+], ids=["target", "hosts", "mesh", "block", "micro_batch", "key", "mosaic_on_b200", "no_equals"])
+def test_gpu_fit_refuses_bad_input_in_one_line(capsys, target, extra, names):
+  """Checked before anything compiles (and before the CUDA plugin is needed)."""
+  argv = ["--target", target, "--config", "configs/default.py", *extra]
+  line = exit_2_line(capsys, gpu_fit.main, argv)
+  for name in names:
+    assert name in line, (name, line)

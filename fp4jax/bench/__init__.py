@@ -8,6 +8,8 @@ gemm_dtype (a bf16 GEMM's three dtype routes), gpu_plan, gpu_check and
 gpu_summary (the plan, stages and summary of benchmarks/gpu_check.sh), gpu_compile (every GPU
 path through XLA's GPU compiler, without a GPU), gpu_shards (a Dense layer
 sharded over 8 GPUs through that compiler: the tokens each kernel reads),
+gpu_fit (a config's train step compiled for N GPUs on H hosts without them:
+memory per device against the GPU's, FLOPs, collectives, kernels),
 study_throughput (a study's
 runs per hour, one at a time vs side by side). Helpers: hlo_stats (kernel
 counts of optimized HLO), gpu_binary (tensor-core instructions read from a

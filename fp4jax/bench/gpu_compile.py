@@ -1,6 +1,6 @@
 """Every GPU path of fp4jax through XLA's GPU compiler, on a machine without a GPU.
 
-  python -m fp4jax.bench gpu_compile --target h200|b200 [--what linear,kernels,...]
+  python -m fp4jax.bench gpu_compile --target h100|h200|b200 [--what linear,kernels,...]
       [--arms RECIPE:BACKEND[:ROUTE],...] [--out REPORT.json] [--against REPORT.json]
       [--no-sass]
 
@@ -74,7 +74,7 @@ from fp4jax.train import config as train_config
 from fp4jax.train import atomic
 from fp4jax.train import step as train_step
 
-TARGETS = ("h200", "b200")
+TARGETS = ("h100", "h200", "b200")
 TARGET_DIR = os.path.join(os.path.dirname(__file__), "gpu_targets")
 COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
 M, K, N = 256, 512, 384
@@ -122,12 +122,17 @@ class Row:
   sass_error: str | None = None
 
 
+def target_description(target):
+  """The text of a committed target's description (gpu_targets/TARGET.txtpb)."""
+  with open(os.path.join(TARGET_DIR, f"{target}.txtpb")) as f:
+    return f.read()
+
+
 def target_capability(target):
   """(major, minor) compute capability of a committed target's description
   (gpu_targets/TARGET.txtpb), read without the CUDA plugin."""
-  with open(os.path.join(TARGET_DIR, f"{target}.txtpb")) as f:
-    found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s+minor:\s*(\d+)",
-                      f.read())
+  found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)\s+minor:\s*(\d+)",
+                    target_description(target))
   if found is None:
     raise ValueError(f"{target}.txtpb names no cuda_compute_capability")
   return int(found.group(1)), int(found.group(2))
@@ -167,14 +172,19 @@ def target_devices(target):
       raise SystemExit(f"gpu_compile: --target device needs a GPU; this process has "
                        f"{jax.default_backend()!r} devices")
     return jax.devices()[:1]
+  return abstract_devices(target)
+
+
+def abstract_devices(target, count=1, hosts=1):
+  """`count` compile-only GPUs of a committed target on `hosts` hosts (count / hosts
+  each, the later hosts' devices after the earlier's): jax.experimental.topologies
+  with the target's description and topology 1 x hosts x (count / hosts)."""
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(TARGET_DIR, f"{target}.txtpb")) as f:
-    config = f.read()
-  return topologies.get_topology_desc("fp4jax", "cuda", target_config=config,
-                                      topology="1x1x1").devices
+  return topologies.get_topology_desc("fp4jax", "cuda", target_config=target_description(target),
+                                      topology=f"1x{hosts}x{count // hosts}").devices
 
 
-def _one_line(error):
+def one_line(error):
   lines = [l for l in str(error).strip().splitlines() if l.strip()]
   text = lines[-1] if lines else type(error).__name__
   return f"{type(error).__name__}: {text}"[:300]
@@ -188,7 +198,7 @@ def compile_row(row, build, mesh, sass=True):
       lowered = build()
       compiled = lowered.compile(COMPILE_OPTIONS)
   except Exception as e:  # pylint: disable=broad-except  (reported, the rest goes on)
-    row.error, row.seconds = _one_line(e), time.perf_counter() - start
+    row.error, row.seconds = one_line(e), time.perf_counter() - start
     row.cpu_seconds, row.load_avg = _cpu_seconds() - cpu, os.getloadavg()
     print(f"gpu_compile: {row.program} {row.recipe} {row.backend}: {row.error}",
           file=sys.stderr, flush=True)
@@ -240,7 +250,7 @@ def _add_sass(row, compiled):
       row.pallas_mma = dict(sum((gpu_binary.sass_mma(i) for n, i in images.items()
                                  if n and n.startswith("fp4jax_")), collections.Counter()))
   except Exception as e:  # pylint: disable=broad-except
-    row.sass_error = _one_line(e)
+    row.sass_error = one_line(e)
 
 
 def _key(sharding_):
@@ -542,7 +552,7 @@ def _versions():
   return out
 
 
-def _commit():
+def git_commit():
   """The checkout's git commit ('+' when files differ from it), or None outside git."""
   here = os.path.dirname(os.path.abspath(__file__))
   try:
@@ -579,7 +589,7 @@ def main(argv):
   try:
     devices = target_devices(args.target)
   except Exception as e:  # pylint: disable=broad-except
-    print(f"gpu_compile: cannot get a {args.target} device to compile for: {_one_line(e)} "
+    print(f"gpu_compile: cannot get a {args.target} device to compile for: {one_line(e)} "
           "(install the CUDA plugin: pip install -e \".[gpu-compile]\")", file=sys.stderr)
     sys.exit(2)
   if args.target == "device":
@@ -592,7 +602,7 @@ def main(argv):
   sass = not args.no_sass
   report = dict(target=args.target, device=devices[0].device_kind,
                 date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-                commit=_commit(), versions=_versions(), options=COMPILE_OPTIONS,
+                commit=git_commit(), versions=_versions(), options=COMPILE_OPTIONS,
                 cpus=os.cpu_count(), rows=[])
   rows = []
   for program in args.what:

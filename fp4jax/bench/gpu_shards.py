@@ -1,6 +1,6 @@
 """A sharded Dense layer through XLA's GPU compiler, without a GPU: what each device's kernels read.
 
-  python -m fp4jax.bench gpu_shards --target h200|b200 [--arms RECIPE:BACKEND,...]
+  python -m fp4jax.bench gpu_shards --target h100|h200|b200 [--arms RECIPE:BACKEND,...]
       [--devices 8] [--mesh DATAxFSDPxTENSOR] [--out REPORT.json]
 
 Compiles, for `--devices` abstract GPUs of the target (fp4jax.bench.gpu_compile's
@@ -11,11 +11,13 @@ rules; `--mesh`, default all devices on data), per kernel backend twice: with
 the operands' specs passed to fp4jax.dot_general ("per shard": the backend runs
 its kernels on each device's shard, fp4jax.shard_local) and without ("whole":
 the kernels run on the whole array, as before shard_local). Per program: every kernel the
-compiled HLO calls (Triton and Mosaic GPU custom calls) with its output type,
-the ones whose shape holds the global token count (TOKENS: kernels that see
-every device's tokens), and the collectives with the bytes they write. Needs
-jax's CUDA plugin (the gpu-compile extra, Python >= 3.12); no GPU. Exits 1
-when a per-shard program holds a kernel on the global batch.
+compiled HLO calls (Triton and Mosaic GPU custom calls) with its output type, every
+GEMM (fp4jax.bench.hlo_stats.gemms: XLA's dots and scaled-dots, the custom calls)
+with its output shape and contraction, the kernels and GEMMs that see every
+device's tokens (an operand, output or contraction of the global token count
+TOKENS), and the collectives with the bytes they write. Needs jax's CUDA plugin
+(the gpu-compile extra, Python >= 3.12); no GPU. Exits 1 when a per-shard program
+holds a kernel or GEMM on the global batch.
 """
 
 import argparse
@@ -35,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp4jax import backends, dot, recipes, sharding
-from fp4jax.bench import gpu_compile
+from fp4jax.bench import gpu_compile, hlo_stats
 
 TOKENS, K, N = 3072, 512, 384
 ARMS = (("bf16", "xla"), ("mxfp4", "pallas"), ("mxfp4-dh16", "pallas"), ("mxfp4", "mosaic"),
@@ -46,30 +48,36 @@ _KERNEL = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) custom-call\(.*?"
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) (all-reduce|all-gather|"
                          r"reduce-scatter|all-to-all|collective-permute)(-start)?\(")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def devices_of(target, count):
-  """`count` abstract GPUs of a committed target (gpu_compile.TARGET_DIR), one host."""
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(gpu_compile.TARGET_DIR, f"{target}.txtpb")) as f:
-    config = f.read()
-  return topologies.get_topology_desc("fp4jax", "cuda", target_config=config,
-                                      topology=f"1x1x{count}").devices
+_DEFINED = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) [a-z][a-z0-9\-]*\(")
+_OPERANDS = re.compile(r"custom-call\(([^)]*)\)")
 
 
 def kernel_calls(hlo_text):
-  """[(kind "triton" / "mosaic", output type text)] of every kernel custom call."""
-  out = []
+  """[(kind "triton" / "mosaic", output type text, [operand type texts])] of every
+  kernel custom call (an operand defined nowhere in the text: "?")."""
+  types, out = {}, []
   for line in hlo_text.splitlines():
+    defined = _DEFINED.match(line)
+    if defined:
+      types[defined.group(1)] = defined.group(2)
     m = _KERNEL.match(line)
     if m:
-      out.append(("triton" if "triton" in m.group(3) else "mosaic", m.group(2)))
+      names = [a.split()[-1].lstrip("%") for a in _OPERANDS.search(line).group(1).split(", ")
+               if a.strip()]
+      out.append(("triton" if "triton" in m.group(3) else "mosaic", m.group(2),
+                  [types.get(n, "?") for n in names]))
   return out
 
 
+def shapes(type_text):
+  """The dims of each array of an HLO type text ("(f8e4m3fn[384,512]{1,0}, f32[384,16]{1,0})"
+  -> [[384, 512], [384, 16]])."""
+  return [[int(d) for d in shape.split(",") if d] for _, shape in _ARRAY.findall(type_text)]
+
+
 def dims(type_text):
-  """Every array dim of an HLO type text ("(f8e4m3fn[384,512]{1,0}, f32[384,16]{1,0})")."""
-  return [int(d) for _, shape in _ARRAY.findall(type_text) for d in shape.split(",") if d]
+  """Every array dim of an HLO type text, in one list."""
+  return [d for shape in shapes(type_text) for d in shape]
 
 
 def _bytes(type_text):
@@ -85,11 +93,14 @@ def _bytes(type_text):
                  for dtype, shape in _ARRAY.findall(type_text)))
 
 
-def collectives(hlo_text):
+def collectives(hlo_text, per_run=False):
   """{kind: (count, bytes written)} of the program's collectives (an async start's
-  result holds its operands, then its outputs: the outputs are counted)."""
+  result holds its operands, then its outputs: the outputs are counted). per_run:
+  counted as often as they run (hlo_stats.executions: a loop body's once per
+  iteration), not once per instruction of the program."""
+  runs = hlo_stats.executions(hlo_text) if per_run else {}
   out = collections.defaultdict(lambda: [0, 0])
-  for line in hlo_text.splitlines():
+  for computation, line in hlo_stats.instruction_lines(hlo_text):
     m = _COLLECTIVE.match(line)
     if not m:
       continue
@@ -97,8 +108,9 @@ def collectives(hlo_text):
     if m.group(3):  # an async start's result: its operands, then its outputs
       arrays = arrays[len(arrays) // 2:]
     result = " ".join(f"{d}[{s}]" for d, s in arrays)
-    out[m.group(2)][0] += 1
-    out[m.group(2)][1] += _bytes(result)
+    n = runs.get(computation, 1)
+    out[m.group(2)][0] += n
+    out[m.group(2)][1] += n * _bytes(result)
   return {k: tuple(v) for k, v in out.items()}
 
 
@@ -131,13 +143,15 @@ def compile_layer(devices, recipe, backend, per_shard=True, mesh_sizes=None):
 
 
 def row(devices, recipe, backend, per_shard, mesh_sizes=None):
-  """One program's report: its kernels, those on the global batch, its collectives."""
+  """One program's report: its kernels and GEMMs, those on the global batch, its collectives."""
   text = compile_layer(devices, recipe, backend, per_shard, mesh_sizes)
-  kernels = kernel_calls(text)
+  kernels = [(f"{kind} {out}", [out] + operands) for kind, out, operands in kernel_calls(text)]
+  gemms = [(f"{hlo_stats.gemm_kind(g)} {g['shape']} k={g['k']}", g) for g in hlo_stats.gemms(text)]
   return dict(recipe=recipe, backend=backend, mode="per shard" if per_shard else "whole",
               mesh="x".join(map(str, mesh_sizes or (len(devices), 1, 1))),
-              kernels=[f"{kind} {t}" for kind, t in kernels],
-              global_batch=[f"{kind} {t}" for kind, t in kernels if TOKENS in dims(t)],
+              kernels=[name for name, _ in kernels], gemms=[name for name, _ in gemms],
+              global_batch=[name for name, types in kernels if TOKENS in dims(" ".join(types))]
+              + [name for name, g in gemms if TOKENS in g["shape"] or g["k"] == TOKENS],
               collectives=collectives(text))
 
 
@@ -189,7 +203,7 @@ def main(argv):
                            gpu_compile.target_capability(args.target), args.target)
   except ValueError as e:
     p.error(str(e))
-  devices = devices_of(args.target, args.devices)
+  devices = gpu_compile.abstract_devices(args.target, args.devices)
   rows = []
   for recipe, backend in arms:
     kernels = not backends.module(backend).PARTITIONED_BY_XLA  # both ways: before and after
@@ -198,6 +212,7 @@ def main(argv):
       r = rows[-1]
       coll = ", ".join(f"{k} {n} ({b:,} B)" for k, (n, b) in sorted(r["collectives"].items()))
       print(f"{recipe} {backend} {r['mode']} on {r['mesh']}: {len(r['kernels'])} kernels, "
+            f"{len(r['gemms'])} GEMMs, "
             f"{len(r['global_batch'])} on the global batch {r['global_batch']}; "
             f"collectives: {coll or 'none'}", flush=True)
   if args.out:
@@ -209,5 +224,6 @@ def main(argv):
   bad = [f"{r['recipe']} {r['backend']}" for r in rows
          if r["mode"] == "per shard" and r["global_batch"]]
   if bad:
-    print(f"gpu_shards: kernels on the global batch in: {'; '.join(bad)}", file=sys.stderr)
+    print(f"gpu_shards: kernels or GEMMs on the global batch in: {'; '.join(bad)}",
+          file=sys.stderr)
     sys.exit(1)

@@ -8,6 +8,7 @@ counted once each, so a loop body's kernels count once, not per iteration.
 """
 
 import collections
+import math
 import re
 
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
@@ -44,6 +45,39 @@ def _called(line, keys):
     if m:
       names += [n.strip().lstrip("%") for n in m.group(1).split(",")]
   return names
+
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def executions(hlo_text):
+  """{computation: how many times it runs per run of the module}: a while loop's body
+  runs XLA's known trip count (backend_config known_trip_count; 1 where unknown) per
+  run of the loop; fused, called and branch computations once per call (every branch
+  of a conditional: an upper bound)."""
+  entry, comps = _computations(hlo_text)
+  runs = collections.Counter()
+
+  def visit(name, n):
+    if name not in comps:
+      return
+    runs[name] += n
+    for opcode, line in comps[name]:
+      trips = _TRIP_COUNT.search(line) if opcode == "while" else None
+      for called in _called(line, ("body",)) if opcode == "while" else ():
+        visit(called, n * (int(trips.group(1)) if trips else 1))
+      for called in _called(line, ("calls", "to_apply", "branch_computations",
+                                   "true_computation", "false_computation")):
+        visit(called, n)
+
+  if entry:
+    visit(entry, 1)
+  return dict(runs)
+
+
+def instruction_lines(hlo_text):
+  """[(computation, line)] of every instruction of an HLO module's text."""
+  return [(name, line) for name, ops in _computations(hlo_text)[1].items() for _, line in ops]
 
 
 def kernel_counts(hlo_text):
@@ -89,10 +123,12 @@ def gemms(hlo_text):
 
   A list of dicts: op ("dot", "scaled-dot" or "custom-call"), target (a custom
   call's), operands (the element types of its first two operands, as the GEMM
-  reads them), shape (its output's dims), k (the contraction length), kernel
+  reads them), shape (its output's dims), k (the contraction length; a Mosaic GPU
+  GEMM's, lhs [M, K] -> out [M, N], from its lhs; None for other custom calls), kernel
   (the instruction that launches it: the outermost fusion around it, or the
   custom call itself; None for a dot outside any fusion) and kernel_kind (that
-  fusion's backend kind, e.g. "__triton_nested_gemm_fusion", or its HLO kind).
+  fusion's backend kind, e.g. "__triton_nested_gemm_fusion", or its HLO kind) and
+  computation (the one the GEMM's instruction sits in: `executions` says how often it runs).
   """
   shapes, caller, rows = {}, {}, []
   current = None
@@ -115,9 +151,11 @@ def gemms(hlo_text):
       mosaic = _MOSAIC_KERNEL.search(line) if target.startswith("mosaic_gpu") else None
       if mosaic or target in _CUDNN_BLOCK_SCALED or target.startswith(_PLAIN_GEMM_CALLS):
         args = re.search(r"custom-call\(%?([\w.\-]+), %?([\w.\-]+)", line)
+        lhs = shapes.get(args.group(1), ("?", [])) if args else ("?", [])
+        shape = shapes[m.group(1)][1]
         rows.append(dict(op="custom-call", target=target, operands=[
             shapes.get(a, ("?",))[0] for a in (args.groups() if args else ())],
-            shape=shapes[m.group(1)][1], k=None,
+            shape=shape, k=math.prod(lhs[1]) // shape[0] if mosaic and lhs[1] else None,
             kernel=mosaic.group(1) + "_kernel" if mosaic else m.group(1), kernel_kind=target,
             computation=current))
       continue
@@ -133,7 +171,7 @@ def gemms(hlo_text):
         shapes.get(a, ("?",))[0] for a in dot.groups()[1:] if a],
         shape=shapes[m.group(1)][1], k=k, kernel=None, kernel_kind=None, computation=current))
   for row in rows:  # the outermost fusion around each fused GEMM
-    comp = row.pop("computation")
+    comp = row["computation"]
     while comp in caller:
       row["kernel"], comp, row["kernel_kind"] = caller[comp]
   return rows
