@@ -99,13 +99,13 @@ def locate(path, step=None):
     raise errors.UserError(f"--step {step} and the checkpoint {path!r} (step "
                            f"{named_step}) disagree; give one of them")
   step = named_step if named_step is not None else step
-  if os.path.isfile(run_layout.config_file(run_dir)):
-    return _run(path, run_dir, step)
   if os.path.isdir(path) and export.is_export(path):
     if step is not None:
       raise errors.UserError(f"--step {step}: {path!r} is an export, which holds one "
                              "set of weights; --step picks a run's checkpoint")
     return _export(path)
+  if os.path.isfile(run_layout.config_file(run_dir)):
+    return _run(path, run_dir, step)
   raise errors.UserError(
       f"{path!r} is neither an fp4jax run (config.json and checkpoints/), one of its "
       "checkpoints/<step>, nor an export (config.json and model.safetensors)")

@@ -37,19 +37,41 @@ class Generated:
   compile_s: float
 
 
-def _step_fn(model, sampling, run_seed):
-  """(params, cache, tokens_BxL, index, key) -> (next tokens [B], logits [B, V],
-  cache): the model on L new tokens per row, the next token after the last."""
+def _step_fn(model, run_seed):
+  """(params, cache, tokens_BxL, index, key, how) -> (next tokens [B], cache): the
+  model on L new tokens per row, and the token after the last (sampling.next_tokens)."""
   seed_key = jax.random.key(run_seed)
   eval_key, layer_key = jax.random.split(seed_key)[1], train_step.layer_key(seed_key)
 
-  def step(params, cache, tokens_BxL, index, key):
+  def step(params, cache, tokens_BxL, index, key, how):
     rngs = {"quant": jax.random.fold_in(eval_key, index), "hadamard": layer_key}
     logits_BxLxV, mutated = model.apply({"params": params, "cache": cache}, tokens_BxL,
                                         rngs=rngs, mutable=["cache"])
-    last_BxV = logits_BxLxV[:, -1]
-    return sampling_lib.next_tokens(last_BxV, sampling, key), last_BxV, mutated["cache"]
+    return sampling_lib.next_tokens(logits_BxLxV[:, -1], how, key), mutated["cache"]
   return step
+
+
+# The compiled steps of this process: (model_cfg, recipe, run_seed, shapes) -> programs.
+_COMPILED = {}
+
+
+def _programs(model_cfg, recipe, run_seed, args):
+  """(prefill, decode, seconds spent compiling them now): the step compiled for
+  the prompts and for one token, once per model and shapes (`args`: a prefill
+  call's arguments)."""
+  params, cache, tokens_BxP = args[:3]
+  key = (model_cfg, recipe, run_seed, tokens_BxP.shape,
+         tuple(x.shape for x in jax.tree.leaves(cache)))
+  if key in _COMPILED:
+    return (*_COMPILED[key], 0.0)
+  if len(_COMPILED) >= 8:
+    _COMPILED.clear()
+  t0 = time.perf_counter()
+  step = jax.jit(_step_fn(model_lib.Llama(model_cfg, recipe), run_seed), donate_argnums=1)
+  prefill = step.lower(*args).compile()
+  decode = step.lower(params, cache, tokens_BxP[:, :1], *args[3:]).compile()
+  _COMPILED[key] = prefill, decode
+  return prefill, decode, time.perf_counter() - t0
 
 
 def left_padded(prompts, pad_id=0):
@@ -73,20 +95,15 @@ def generate(model_cfg, recipe, params, prompts, *, max_new_tokens, sampling, se
   keys and Hadamard signs the forward uses (fp4jax.train.step). Returns a
   Generated.
   """
-  model = model_lib.Llama(model_cfg, recipe)
   tokens_BxP, start_B = left_padded(prompts)
   rows, length = tokens_BxP.shape
   cache = model_lib.init_cache(model_cfg, start_B, length + max_new_tokens)
-  sample_key = jax.random.key(seed)
-  step = jax.jit(_step_fn(model, sampling, run_seed), donate_argnums=1)
-  t0 = time.perf_counter()
+  sample_key, how = jax.random.key(seed), sampling.arrays()
   key0 = jax.random.fold_in(sample_key, 0)
-  prefill = step.lower(params, cache, tokens_BxP, 0, key0).compile()
-  decode = step.lower(params, cache, tokens_BxP[:, :1], 0, key0).compile()
-  compile_s = time.perf_counter() - t0
-
+  prefill, decode, compile_s = _programs(model_cfg, recipe, run_seed,
+                                         (params, cache, tokens_BxP, 0, key0, how))
   t0 = time.perf_counter()
-  next_B, _, cache = prefill(params, cache, jnp.asarray(tokens_BxP), 0, key0)
+  next_B, cache = prefill(params, cache, jnp.asarray(tokens_BxP), 0, key0, how)
   next_B = np.asarray(next_B)
   prefill_s = time.perf_counter() - t0
   out, done = [[] for _ in range(rows)], np.zeros(rows, bool)
@@ -99,8 +116,8 @@ def generate(model_cfg, recipe, params, prompts, *, max_new_tokens, sampling, se
         out[row].append(int(next_B[row]))
     if done.all() or t == max_new_tokens:
       break
-    next_B, _, cache = decode(params, cache, jnp.asarray(next_B[:, None]), t,
-                              jax.random.fold_in(sample_key, t))
+    next_B, cache = decode(params, cache, jnp.asarray(next_B[:, None]), t,
+                           jax.random.fold_in(sample_key, t), how)
     next_B = np.asarray(next_B)
     steps += 1
   return Generated(tokens=out, prefill_tokens=rows * length, prefill_s=prefill_s,
