@@ -42,7 +42,9 @@ def test_outputs_are_listed_and_commands_given_once_a_checkpoint_exists(tmp_path
                      ("tensorboard", "tensorboard/")):
     assert f"\n  {name:<12} {run}/{path}  (" in text, (name, text)
   assert "(steps 4, 8)" in text
-  commands = [l.split("  # ")[0].strip() for l in lines[lines.index("next:") + 1:]]
+  commands = [l.split(None, 1) for l in lines[lines.index("next:") + 1:]]
+  assert [name for name, _ in commands] == ["plot", "sample", "evaluate", "export"]
+  commands = [c for _, c in commands]
   quoted = shlex.quote(run)
   assert [c.split()[:3] for c in commands] == [[".venv/bin/python", "-m", m] for m in
                                                ("fp4jax.plot", "fp4jax.generate",
@@ -59,8 +61,8 @@ def test_a_run_ends_by_naming_its_outputs_and_the_plot_it_prints_works(tmp_path,
   trainer.train(tiny_config(steps=2, eval_every=2, checkpoint_every=2), "runs/t")
   out = capsys.readouterr().out
   assert "outputs in runs/t\n" in out and "  checkpoints  runs/t/checkpoints/  (steps 2)" in out
-  plot = next(l for l in out.splitlines() if " -m fp4jax.plot " in l).split("  # ")[0]
-  argv = shlex.split(plot)
+  plot = next(l for l in out.splitlines() if " -m fp4jax.plot " in l)
+  argv = shlex.split(plot)[1:]
   assert argv[:3] == [next_steps.python_command(), "-m", "fp4jax.plot"]
   assert curves.main(argv[3:]) == 0
   assert os.path.isfile("runs/t.png")

@@ -13,6 +13,7 @@ from fp4jax.train import curves
 from tests.helpers import exit_2_line
 
 Z = 1.959964  # a normal distribution's two-sided 95% quantile
+T7 = 2.364624  # Student's t with 7 degrees of freedom (8 validation batches), two-sided 95%
 
 
 def _fake_run(workdir, losses, recipe, *, batch_losses=None, se=None, tokens_per_eval=1000,
@@ -136,7 +137,7 @@ def test_the_difference_panel_is_each_run_minus_the_baseline(tmp_path):
   fig = curves.figure(runs, ["bf16", "mxfp4", "fp8"], baseline=0, from_tokens=1000)
   diff_ax = fig.axes[1]
   lines = {l.get_label(): l for l in diff_ax.get_lines()}
-  assert list(lines["bf16"].get_ydata()) == [0.0, 0.0]   # the baseline's own line
+  assert list(lines["bf16 (baseline)"].get_ydata()) == [0.0, 0.0]
   np.testing.assert_allclose(lines["mxfp4"].get_xdata(), [1000, 2000, 3000, 4000])
   np.testing.assert_allclose(lines["mxfp4"].get_ydata(), [0.1, 0.05, 0.06, 0.03], atol=1e-12)
   np.testing.assert_allclose(lines["fp8"].get_xdata(), [2000, 4000])  # tokens both evaluated
@@ -145,6 +146,7 @@ def test_the_difference_panel_is_each_run_minus_the_baseline(tmp_path):
 
 
 def test_bands_come_from_the_logged_standard_errors(tmp_path):
+  """Without eval_batch_losses the batch count is unknown: the normal's quantile."""
   run = str(tmp_path / "a")
   se = [0.5, 0.04, 0.02, 0.03]
   _fake_run(run, [6.0, 3.0, 2.5, 2.2], "bf16", se=se)
@@ -169,16 +171,19 @@ def test_a_difference_band_is_paired_over_the_shared_validation_batches(tmp_path
     _fake_run(run, [float(np.mean(b)) for b in batches], "r", batch_losses=batches,
               se=_se(batches), validation=validation)
   runs = [curves.read_curve(w) for w in (base, same, other)]
-  _, d, se = curves.difference(runs[1], runs[0])
+  _, d, se, batches = curves.difference(runs[1], runs[0])
   paired = [np.std(np.subtract(p, q), ddof=1) / math.sqrt(8) for p, q in zip(b1, b0)]
   np.testing.assert_allclose(d, [0.017, 0.027, 0.037], atol=1e-12)
   np.testing.assert_allclose(se, paired, rtol=1e-9)
+  assert list(batches) == [8, 8, 8]
   assert max(se) < 0.01 < min(runs[0].se)  # pairing removes the batches' own spread
-  _, _, se_other = curves.difference(runs[2], runs[0])  # other validation data: unpaired
+  _, _, se_other, _ = curves.difference(runs[2], runs[0])  # other validation data: unpaired
   np.testing.assert_allclose(se_other, np.hypot(runs[2].se, runs[0].se), rtol=1e-12)
   fig = curves.figure(runs, ["base", "same", "other"], baseline=0, from_tokens=1000)
-  assert _band_halfwidths(fig.axes[1], 0) == pytest.approx(
-      {1000.0: Z * paired[1], 2000.0: Z * paired[2]})
+  assert _band_halfwidths(fig.axes[1], 0) == pytest.approx(  # Student's t, 7 degrees of freedom
+      {1000.0: T7 * paired[1], 2000.0: T7 * paired[2]})
+  assert _band_halfwidths(fig.axes[0], 0) == pytest.approx(
+      {1000.0: T7 * runs[0].se[1], 2000.0: T7 * runs[0].se[2]})
 
 
 def test_early_evaluations_are_left_out_unless_all_is_asked(tmp_path):
@@ -186,13 +191,15 @@ def test_early_evaluations_are_left_out_unless_all_is_asked(tmp_path):
   _fake_run(run, [6.0, 5.0, 3.0, 2.5, 2.2, 2.1, 2.0, 1.95, 1.9, 1.87, 1.85, 1.84], "bf16")
   curve = curves.read_curve(run)
   cut = curves.first_shown([curve])
-  assert cut == curves.FROM_FRACTION * 11000 and 1000 < cut <= 2000
+  assert cut == curves.FROM_FRACTION * 11000 and 1000 < cut < 11000
   assert curves.first_shown([curve], 5000) == 5000
   fig = curves.figure([curve], ["a"], from_tokens=cut)
   (line,) = fig.axes[0].get_lines()
-  assert list(line.get_xdata()) == [2000.0 + 1000 * i for i in range(10)]
+  shown = [t for t in range(0, 12000, 1000) if t >= cut]
+  assert list(line.get_xdata()) == shown
+  np.testing.assert_allclose(line.get_ydata(), curve.loss[-len(shown):])
   assert fig.axes[0].get_xscale() == "log"
-  assert fig.axes[0].get_ylim()[1] < 4.0  # the range drawn is the range shown
+  assert fig.axes[0].get_ylim()[1] < 3.0  # the range drawn is the range shown
   fig = curves.figure([curve], ["a"], from_tokens=0.0)  # --all: step 0 too
   assert list(fig.axes[0].get_lines()[0].get_xdata())[:2] == [0.0, 1000.0]
   assert fig.axes[0].get_xscale() == "symlog" and fig.axes[0].get_ylim()[1] > 6.0

@@ -8,12 +8,14 @@ Each run is a workdir written by fp4jax.train.trainer (its metrics.jsonl
 rows that carry an eval_loss). Tokens are on a log axis; the evaluations
 before FROM_FRACTION of the longest run's tokens are left out (`--all`
 shows every one, step 0 included; `--from_tokens N` sets the cut), so the
-range where recipes differ fills the figure. Bands are 95% intervals
-(+-1.96 standard errors): of a loss, its logged eval_loss_se; of a
+range where recipes differ fills the figure. Bands are 95% intervals: of a
+loss, from its logged eval_loss_se; of a
 difference from `--baseline`, the standard error of the difference of the
 validation batches' losses (eval_batch_losses) when both runs evaluated the
 same batches (same data, tokenizer, sequence length and evaluation batches
-in config.json), else sqrt(se^2 + se_baseline^2). `--train_loss` adds the
+in config.json), else sqrt(se^2 + se_baseline^2); each with Student's t
+quantile for the number of validation batches (the normal's 1.96 when that
+is not logged). `--train_loss` adds the
 training loss (thin lines). The final evaluations and differences are
 printed as a table. A run's label defaults to its directory name and recipe.
 
@@ -40,6 +42,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 from matplotlib import ticker  # pylint: disable=g-import-not-at-top
 from matplotlib.backend_bases import FigureCanvasBase  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
+from scipy import stats  # pylint: disable=g-import-not-at-top
 
 from fp4jax import errors
 from fp4jax import records
@@ -47,8 +50,8 @@ from fp4jax.train import atomic
 from fp4jax.train import run_layout
 from fp4jax.train.metrics_log import read_metrics
 
-Z95 = 1.959964  # a normal's two-sided 95% quantile
-FROM_FRACTION = 0.1  # the default cut, as a fraction of the longest run's tokens
+Z95 = 1.959964  # a normal's two-sided 95% quantile (the batch count unknown)
+FROM_FRACTION = 0.25  # the default cut, as a fraction of the longest run's tokens
 _VALIDATION_KEYS = ("data", "seq_len", "batch_size", "micro_batch", "eval_batches",
                     "eval_batch_size")
 
@@ -69,6 +72,20 @@ class Curve:
   train_tokens: np.ndarray
   train_loss: np.ndarray
   validation: str | None
+
+  @property
+  def batches(self):
+    """[E] the validation batches of each evaluation (0 where not logged)."""
+    return np.array([len(b) for b in self.batch_losses], int)
+
+
+def half_width(se, batches):
+  """[N] the 95% interval's half-width of means with standard errors `se` [N]
+  over `batches` [N]: Student's t with batches - 1 degrees of freedom, the
+  normal's where a count is below 2 (not logged)."""
+  batches = np.asarray(batches)
+  quantile = np.where(batches > 1, stats.t.ppf(0.975, np.maximum(batches - 1, 1)), Z95)
+  return quantile * np.asarray(se)
 
 
 def _number(row, key, where):
@@ -132,21 +149,23 @@ def eval_curve(workdir):
 
 
 def difference(curve, base):
-  """(tokens [D], curve's loss - base's [D], standard error [D]) at the token
-  counts both evaluated. The standard error is that of the mean of the
-  batch-loss differences when both runs evaluated the same batches with a
-  standard error logged; else sqrt(se^2 + se_base^2) (NaN where one is unknown)."""
+  """(tokens [D], curve's loss - base's [D], standard error [D], batches [D])
+  at the token counts both evaluated. When both runs evaluated the same
+  batches with a standard error logged: the standard error of the mean of the
+  batch-loss differences, over that many batches; else sqrt(se^2 + se_base^2)
+  (NaN where one is unknown) over the smaller batch count (conservative)."""
   at = {t: i for i, t in enumerate(base.tokens)}
   pairs = [(i, at[t]) for i, t in enumerate(curve.tokens) if t in at]
   i, j = (np.array(x, int) for x in zip(*pairs)) if pairs else (np.zeros(0, int),) * 2
   se = np.sqrt(curve.se[i] ** 2 + base.se[j] ** 2)
+  batches = np.minimum(curve.batches[i], base.batches[j])
   if curve.validation is not None and curve.validation == base.validation:
     for k, (a, b) in enumerate(zip(i, j)):
       da, db = curve.batch_losses[a], base.batch_losses[b]
       if len(da) == len(db) > 1 and math.isfinite(se[k]):
         d = np.subtract(da, db)
         se[k] = d.std(ddof=1) / math.sqrt(d.size)
-  return curve.tokens[i], curve.loss[i] - base.loss[j], se
+  return curve.tokens[i], curve.loss[i] - base.loss[j], se, batches
 
 
 def first_shown(curves, from_tokens=None):
@@ -192,21 +211,24 @@ def _baseline_index(workdirs, baseline):
   return same[0]
 
 
-def _band(ax, x, y, se, color):
-  known = np.isfinite(se)
+def _band(ax, x, y, half, color):
+  known = np.isfinite(half)
   if known.any():
-    ax.fill_between(x, np.where(known, y - Z95 * se, np.nan), np.where(known, y + Z95 * se, np.nan),
+    ax.fill_between(x, np.where(known, y - half, np.nan), np.where(known, y + half, np.nan),
                     color=color, alpha=0.18, lw=0)
 
 
-def _y_range(curves, shown):
-  """(low, high) of the bands of the runs whose shown evaluations are all finite."""
+def _y_range(curves, shown, train_shown=None):
+  """(low, high) of the bands (and the training losses in train_shown) of the
+  runs whose shown evaluations are all finite."""
   lows, highs = [], []
-  for c, keep in zip(curves, shown):
-    y, half = c.loss[keep], Z95 * np.nan_to_num(c.se[keep])
+  for k, (c, keep) in enumerate(zip(curves, shown)):
+    y, half = c.loss[keep], np.nan_to_num(half_width(c.se[keep], c.batches[keep]))
     if y.size and np.all(np.isfinite(y)):
-      lows.append((y - half).min())
-      highs.append((y + half).max())
+      train = c.train_loss[train_shown[k]] if train_shown else np.zeros(0)
+      train = train[np.isfinite(train)]
+      lows.append(min((y - half).min(), train.min(initial=np.inf)))
+      highs.append(max((y + half).max(), train.max(initial=-np.inf)))
   if not lows:
     return None
   low, high = min(lows), max(highs)
@@ -223,15 +245,16 @@ def figure(curves, labels, baseline=None, from_tokens=0.0, train_loss=False, tit
   top = axes[0, 0]
   colors = plt.get_cmap("tab10")
   shown = [(c.tokens >= from_tokens) & ((c.tokens > 0) | (from_tokens <= 0)) for c in curves]
+  train_shown = [c.train_tokens >= from_tokens for c in curves] if train_loss else None
   for k, (c, label, keep) in enumerate(zip(curves, labels, shown)):
     color = colors(k % 10)
     if train_loss:
-      t = c.train_tokens >= max(from_tokens, 1e-9)
+      t = train_shown[k]
       top.plot(c.train_tokens[t], c.train_loss[t], color=color, lw=0.7, alpha=0.45)
     top.plot(c.tokens[keep], np.where(np.isfinite(c.loss[keep]), c.loss[keep], np.nan),
              color=color, marker="o", ms=3, lw=1.4, label=label)
-    _band(top, c.tokens[keep], c.loss[keep], c.se[keep], color)
-  y_range = _y_range(curves, shown)
+    _band(top, c.tokens[keep], c.loss[keep], half_width(c.se[keep], c.batches[keep]), color)
+  y_range = _y_range(curves, shown, train_shown)
   if y_range:
     top.set_ylim(*y_range)
   top.set_ylabel("validation loss" + (" (thin: training)" if train_loss else ""))
@@ -239,14 +262,14 @@ def figure(curves, labels, baseline=None, from_tokens=0.0, train_loss=False, tit
   top.set_title(title or "validation loss, 95% bands from eval_loss_se", fontsize=10)
   if baseline is not None:
     ax = axes[1, 0]
-    ax.axhline(0.0, color=colors(baseline % 10), lw=1.2, label=labels[baseline])
+    ax.axhline(0.0, color=colors(baseline % 10), lw=1.2, label=f"{labels[baseline]} (baseline)")
     for k, (c, label) in enumerate(zip(curves, labels)):
       if k == baseline:
         continue
-      x, d, se = difference(c, curves[baseline])
+      x, d, se, batches = difference(c, curves[baseline])
       keep = (x >= from_tokens) & ((x > 0) | (from_tokens <= 0))
       ax.plot(x[keep], d[keep], color=colors(k % 10), marker="o", ms=3, lw=1.4, label=label)
-      _band(ax, x[keep], d[keep], se[keep], colors(k % 10))
+      _band(ax, x[keep], d[keep], half_width(se[keep], batches[keep]), colors(k % 10))
     ax.set_ylabel(f"minus {labels[baseline]}")
     ax.set_title("difference from the baseline, 95% bands (paired over the validation batches)",
                  fontsize=9)
@@ -254,15 +277,20 @@ def figure(curves, labels, baseline=None, from_tokens=0.0, train_loss=False, tit
   bottom = axes[-1, 0]
   xs = np.concatenate([c.tokens[keep] for c, keep in zip(curves, shown)])
   if from_tokens <= 0 and (xs == 0).any():
-    bottom.set_xscale("symlog", linthresh=float(np.min(xs[xs > 0], initial=1.0)))
+    linear = float(xs[xs > 0].min()) if (xs > 0).any() else 1.0
+    bottom.set_xscale("symlog", linthresh=linear)
+    bottom.set_xlabel(f"tokens (log scale; linear below {linear:,.0f})")
   else:
     bottom.set_xscale("log")
-    bottom.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    decades = math.log10(xs.max() / xs.min()) if xs.size and xs.min() > 0 else 0.0
+    subs = (1.0, 2.0, 3.0, 5.0, 7.0) if decades < 1.5 else (1.0, 2.0, 5.0) if decades < 4 else (1.0,)
+    bottom.xaxis.set_major_locator(ticker.LogLocator(subs=subs))
   bottom.xaxis.set_major_formatter(ticker.FuncFormatter(
       lambda x, _: f"{x / 1e9:g}B" if x >= 1e9 else f"{x / 1e6:g}M" if x >= 1e6
       else f"{x / 1e3:g}k" if x >= 1e3 else f"{x:g}"))
   bottom.xaxis.set_minor_formatter(ticker.NullFormatter())
-  bottom.set_xlabel("tokens (log scale)")
+  if not bottom.get_xlabel():
+    bottom.set_xlabel("tokens (log scale)")
   for ax in axes[:, 0]:
     ax.grid(True, which="both", alpha=0.25)
   fig.tight_layout()
@@ -279,16 +307,17 @@ def table(curves, labels, baseline=None):
   lines = [head]
   for k, (c, label) in enumerate(zip(curves, labels)):
     line = (f"{label:<{width}}  {int(c.tokens[-1]):>12,}  "
-            f"{_pm(c.loss[-1], c.se[-1]):>18}")
+            f"{_pm(c.loss[-1], c.se[-1], c.batches[-1]):>18}")
     if baseline is not None and k != baseline:
-      x, d, se = difference(c, curves[baseline])
-      line += f"  {_pm(d[-1], se[-1], '+.4f') if x.size else 'no common tokens':>22}"
+      x, d, se, batches = difference(c, curves[baseline])
+      line += f"  {_pm(d[-1], se[-1], batches[-1], '+.4f') if x.size else 'no common tokens':>22}"
     lines.append(line)
   return lines
 
 
-def _pm(value, se, fmt=".4f"):
-  return f"{value:{fmt}}" + (f" +- {Z95 * se:.4f}" if math.isfinite(se) else "")
+def _pm(value, se, batches, fmt=".4f"):
+  half = float(half_width(se, batches))
+  return f"{value:{fmt}}" + (f" +- {half:.4f}" if math.isfinite(half) else "")
 
 
 def plot_runs(workdirs, out, labels=None, title=None, baseline=None, from_tokens=None,

@@ -25,7 +25,8 @@ def python_command(executable=None, path=None):
 
 def outputs_and_next(workdir, checkpoint_steps, python="python"):
   """Lines naming the run's files and, once it has a checkpoint, the
-  commands to plot, sample, evaluate and export it."""
+  commands to plot, sample, evaluate and export it (a Hugging Face folder;
+  docs/export.md has the packed FP4 and llama.cpp forms)."""
   saved = f"steps {', '.join(map(str, checkpoint_steps))}" if checkpoint_steps else "none saved"
   files = [("metrics", run_layout.metrics_file(workdir), "a JSON row per logged step"),
            ("checkpoints", run_layout.checkpoints(workdir) + os.sep, saved),
@@ -41,12 +42,8 @@ def outputs_and_next(workdir, checkpoint_steps, python="python"):
   if os.path.basename(beside) in (".", ".."):
     beside = os.path.abspath(beside)
   run, py = shlex.quote(workdir), python
-  commands = [
-      (f"{py} -m fp4jax.plot {run} -o {shlex.quote(beside + '.png')}",
-       "validation loss vs tokens; more runs and --baseline RUN compare recipes"),
-      (f"{py} -m fp4jax.generate {run} --prompt 'def '", "sample text from the last checkpoint"),
-      (f"{py} -m fp4jax.evaluate {run}", "validation loss, its standard error, perplexity"),
-      (f"{py} -m fp4jax.convert export {run} {shlex.quote(beside + '-hf')}",
-       "a Hugging Face directory (--quantize mxfp4 packs FP4; OUT.gguf for llama.cpp)")]
-  width = max(len(c) for c, _ in commands)
-  return "\n".join(lines + ["next:"] + [f"  {c:<{width}}  # {why}" for c, why in commands])
+  commands = [("plot", f"{py} -m fp4jax.plot {run} -o {shlex.quote(beside + '.png')}"),
+              ("sample", f"{py} -m fp4jax.generate {run} --prompt 'def '"),
+              ("evaluate", f"{py} -m fp4jax.evaluate {run}"),
+              ("export", f"{py} -m fp4jax.convert export {run} {shlex.quote(beside + '-hf')}")]
+  return "\n".join(lines + ["next:"] + [f"  {name:<12} {command}" for name, command in commands])
