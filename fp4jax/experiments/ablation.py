@@ -55,6 +55,16 @@ Config: a trainer config (fp4jax.train.config.base_config) plus
   ablation.parallel      runs side by side (0: as many as fit the cores, 2 on a
                          2-core machine: 1.43x the runs per hour of one run on both
                          cores, docs/studies/method.md); not part of a study's config
+  ablation.executor      "" (default): the runs are processes of this machine, as
+                         above; "auto", "slurm" or "local": each run a job of a
+                         scheduler, through submitit (fp4jax.experiments.cluster:
+                         `pip install fp4jax[cluster]`), on cpus_per_run cores
+                         (0: all of the submitting machine's count), at most
+                         `parallel` at once (0: on Slurm all, locally as many as
+                         fit the cores); logs in WORKDIR/.submitit. Not part of a
+                         study's config
+  ablation.executor_params  submitit parameters "KEY=VALUE,...", e.g.
+                         "timeout_min=240,slurm_partition=gpu,gpus_per_node=1"
   ablation.baseline      recipe whose final validation loss is the target ("fp8")
   ablation.target_at     the target is the baseline's validation loss at this
                          fraction of its tokens (1.0: its final loss)
@@ -104,6 +114,7 @@ from fp4jax.train import step as train_step
 from fp4jax.train import trainer
 from fp4jax.train import workdir as workdir_lib
 from fp4jax.experiments import arms as arms_lib
+from fp4jax.experiments import cluster
 from fp4jax.experiments import code_version
 from fp4jax.experiments import committed
 from fp4jax.experiments import declaration
@@ -132,7 +143,8 @@ def ablation_config() -> ml_collections.ConfigDict:
       arms="", declaration="",
       target_loss=config_dict.placeholder(float), target_at=1.0,
       diverge_loss=config_dict.placeholder(float), zoom=0.5, late_from=0.5,
-      compilation_cache="~/.cache/fp4jax/jax", parallel=0, cpus_per_run=1))
+      compilation_cache="~/.cache/fp4jax/jax", parallel=0, cpus_per_run=1,
+      executor="", executor_params=""))
 
 
 def diagnostics_config() -> ml_collections.ConfigDict:
@@ -380,6 +392,8 @@ def _check_before_recording(config, arm):
   """The start-up checks that need no data (the run slots, the trainer's own
   keys): a study refused by them leaves no record behind (ConfigError)."""
   parallel.slots(config.ablation.parallel, config.ablation.cpus_per_run)
+  if config.ablation.executor:
+    cluster.check(config.ablation.executor, config.ablation.executor_params)
   try:
     train_config.check(run_config(config, arm, config.seed))
   except ValueError as e:
@@ -461,7 +475,7 @@ def _train_all(config, todo, results, git_commit) -> bool:
   interrupted them (a checkpoint saved: the same command resumes)."""
   ab = config.ablation
   run_slots = parallel.slots(ab.parallel, ab.cpus_per_run)
-  if run_slots == [None]:
+  if run_slots == [None] and not ab.executor:
     _use_compilation_cache(config)
     for arm, seed, path in todo:
       summary = _train(config, arm, seed, path)
@@ -471,8 +485,9 @@ def _train_all(config, todo, results, git_commit) -> bool:
         return False
       _publish(results, git_commit, arm, seed, path)
     return True
-  print(f"ablation: {len(todo)} runs, {len(run_slots)} at a time, each in its own process "
-        f"on {ab.cpus_per_run} core(s) ({', '.join(map(str, run_slots))})", flush=True)
+  if not ab.executor:
+    print(f"ablation: {len(todo)} runs, {len(run_slots)} at a time, each in its own process "
+          f"on {ab.cpus_per_run} core(s) ({', '.join(map(str, run_slots))})", flush=True)
   failed, stopped, exited = [], [], []
 
   def on_end(job, exitcode):
@@ -489,7 +504,10 @@ def _train_all(config, todo, results, git_commit) -> bool:
       exited.append(path)
 
   jobs = [(config, arm, seed, path, logging.get_verbosity()) for arm, seed, path in todo]
-  signal_name = parallel.run(jobs, run_slots, _train_in_child, on_end)
+  if ab.executor:
+    signal_name = _train_as_jobs(config, jobs, len(run_slots), on_end)
+  else:
+    signal_name = parallel.run(jobs, run_slots, _train_in_child, on_end)
   if failed:
     printed = "; the errors of those with an exit code are printed above" if exited else ""
     raise errors.UserError(f"{len(failed)} runs failed: {', '.join(failed)}{printed}; the "
@@ -499,6 +517,23 @@ def _train_all(config, todo, results, git_commit) -> bool:
           "saved a checkpoint); run the same command again to resume", flush=True)
     return False
   return True
+
+
+def _train_as_jobs(config, jobs, slots, on_end):
+  """parallel.run's contract with each run a job of config.ablation.executor
+  (fp4jax.experiments.cluster), pinned to cpus_per_run cores; `slots`: how
+  many fit this machine's cores (the local executor's default limit)."""
+  ab = config.ablation
+  cpus = ab.cpus_per_run or len(os.sched_getaffinity(0))
+  workdir = os.path.dirname(jobs[0][3])
+  ex = cluster.executor(ab.executor, os.path.join(workdir, ".submitit"), cpus,
+                        ab.executor_params)
+  in_flight = ab.parallel or (None if ex.cluster == "slurm" else slots)
+  print(f"ablation: {len(jobs)} runs as {ex.cluster} jobs, "
+        f"{in_flight or 'all'} at a time, each on {cpus} core(s); logs in "
+        f"{os.path.join(workdir, '.submitit')}", flush=True)
+  return cluster.run([(cpus, _train_in_child) + job for job in jobs], cluster.pinned,
+                     lambda job, code: on_end(job[2:], code), ex, in_flight)
 
 
 def _killed_by(signum):

@@ -57,13 +57,15 @@ def _child(cores, target, args):
   target(*args)
 
 
-class _PassOnSignals:
-  """While open: SIGINT/SIGTERM are passed on to the running children; the
-  first also stops new starts (`received` names it)."""
+class PassOnSignals:
+  """While open: SIGINT/SIGTERM call pass_on(signum) (each time) and the first
+  also stops new starts (`received` names it); count() says how many runs are
+  in progress."""
 
-  def __init__(self, running):
+  def __init__(self, pass_on, count):
     self.received = None
-    self._running = running
+    self._pass_on = pass_on
+    self._count = count
     self._old = {}
 
   def __enter__(self):
@@ -75,11 +77,9 @@ class _PassOnSignals:
     del frame
     if self.received is None:
       self.received = signal.Signals(signum).name
-      print(f"\n{self.received} received: passed on to the {len(self._running)} runs "
+      print(f"\n{self.received} received: passed on to the {self._count()} runs "
             "in progress (each saves a checkpoint and stops); no new run starts.", flush=True)
-    for process in self._running.values():
-      if process.is_alive():
-        os.kill(process.pid, signum)
+    self._pass_on(signum)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
@@ -93,7 +93,13 @@ def run(jobs, run_slots, target, on_end) -> str | None:
   context = multiprocessing.get_context("spawn")
   todo, running = list(jobs), {}  # slot index -> process
   owner = {}
-  with _PassOnSignals(running) as signals:
+
+  def pass_on(signum):
+    for process in running.values():
+      if process.is_alive():
+        os.kill(process.pid, signum)
+
+  with PassOnSignals(pass_on, lambda: len(running)) as signals:
     while todo or running:
       free = [i for i in range(len(run_slots)) if i not in running]
       while free and todo and not signals.received:

@@ -7,7 +7,7 @@ it, and `run_differences(run_path, cfg)` a finished run's config.json with
 the trainer config that run would get now: a run is only reused (skipped) by
 a rerun of the config it was trained with. Keys that do not change what a
 run records (where checkpoints go, the mesh, logging sinks, the compilation
-cache, how many runs go side by side) are not compared, nor keys only one
+cache, how many runs go side by side, the scheduler) are not compared, nor keys only one
 side has (a key added to fp4jax since the study ran).
 
 `beside(folder, config)` names where a rerun with another config puts its
@@ -31,7 +31,7 @@ RECORD = "ablation_config.json"
 NOT_COMPARED = ("checkpoint_every", "keep_checkpoints", "async_checkpointing",
                 "mesh", "distributed", "quant.residuals", "profile",
                 "peak_tflops", "wandb", "ablation.compilation_cache",
-                "ablation.parallel")
+                "ablation.parallel", "ablation.executor", "ablation.executor_params")
 
 
 def _plain(config):
