@@ -3,6 +3,7 @@
 ablation          the runner: `python -m fp4jax.experiments.ablation` (one run per arm and seed)
 arms              named arms: a preset with recipe overrides
 parallel          runs side by side, each in a process pinned to its own cores
+cluster           runs as jobs of a scheduler (Slurm, or local) through submitit
 code_version      the code and core count that made a run (kept one per run)
 committed         the results folder in git: each finished run published, resumable
 study_config      the config a study's records belong to; reruns of another refused
@@ -16,4 +17,5 @@ figures           the figures: validation curves, quantization-error diagnostics
 horizon           E1's statistics beyond the primary, and the stress screen (E2)
 sizing            seeds for a study from the spreads of one that ran
 trend             a contrast against model size over a study's widths, and its value at 8B
+stage_cumulative  E5's reading over its horizons: claims per horizon, the horizon contrast
 """
