@@ -29,7 +29,7 @@ if __name__ == "__main__":  # before the heavy imports: see errors.exit_on_signa
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
 import json
-import os
+import math
 
 import jax
 import ml_collections
@@ -113,13 +113,12 @@ def data_config(model, glob, tokenizer_name):
 def mesh_of(model):
   """(mesh, note): the run's mesh on its number of devices when this machine
   has them (the run's program, so its bits), else one device, with a note."""
-  resolved = (model.config or {}).get("resolved", {})
-  wanted = resolved.get("devices")
-  if isinstance(wanted, int) and wanted <= jax.device_count():
-    mesh_cfg = ml_collections.ConfigDict(resolved.get("mesh") or sharding.mesh_config())
+  shape = (model.config or {}).get("resolved", {}).get("mesh")
+  wanted = math.prod(shape.values()) if isinstance(shape, dict) and shape else None
+  if wanted is not None and wanted <= jax.device_count():
     try:
-      return sharding.make_mesh(mesh_cfg, jax.devices()[:wanted]), ""
-    except ValueError:
+      return sharding.make_mesh(ml_collections.ConfigDict(shape), jax.devices()[:wanted]), ""
+    except (ValueError, TypeError):
       pass
   note = "" if model.config is None else (
       f"the run used {wanted} device(s) and this machine has {jax.device_count()}: evaluated "
