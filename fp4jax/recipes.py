@@ -52,7 +52,7 @@ OPERANDS = ("lhs", "rhs")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 # Names only: fp4jax.backends owns the backends and checks a recipe's choice
 # against the installed jax where it is used (backends.check_recipe).
-BACKENDS = ("xla", "pallas", "native", "mosaic", "auto")
+BACKENDS = ("xla", "pallas", "native", "mosaic", "mosaic_fast", "auto")
 NATIVE_ROUTES = ("auto", "scaled_matmul", "scaled_dot")
 RESIDUALS = ("original", "quantized")
 PLAIN_ROUTES = ("lax", "float32_output")

@@ -78,7 +78,7 @@ def test_recipes_name_every_backend_and_route_and_each_backend_declares_its_layo
   assert tuple(recipes.NATIVE_ROUTES) == tuple(backends.NATIVE_ROUTES)
   assert {name: backends.module(name).QUANTIZES_WHOLE_TENSOR_FIRST
           for name in backends.NAMES} == {"xla": True, "pallas": True, "native": False,
-                                      "mosaic": True}
+                                      "mosaic": True, "mosaic_fast": True}
 
 
 def test_native_is_refused_on_old_jax(monkeypatch):

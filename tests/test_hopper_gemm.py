@@ -1,4 +1,4 @@
-"""fp4jax.kernels.hopper_gemm and the `mosaic` backend on the CPU.
+"""fp4jax.kernels.hopper_gemm and the `mosaic` and `mosaic_fast` backends on the CPU.
 
 The kernel runs in jax's Mosaic GPU interpreter (jax >= 0.11; the tests skip,
 naming the installed jax, before that). What is asserted:
@@ -9,7 +9,14 @@ naming the installed jax, before that). What is asserted:
   interpreted kernel equals the backend's CPU program (the reference) bit for bit;
 - that program equals the xla emulation bit for bit for E2M1 recipes where every
   GEMM contracts one 32-block (then no summation order can differ), and within
-  float32 summation-order error elsewhere (and for fp8, whose block sums round).
+  float32 summation-order error elsewhere (and for fp8, whose block sums round);
+- the fast mode (one promotion per 128 of K): its interpreted kernel equals its
+  reference bit for bit; its fold of 32-block scales into E4M3 elements is exact
+  when a chunk's blocks span at most 14 binades and counts the values it loses
+  beyond; through fp4jax.dot_general, forward and backward, `mosaic_fast` is the
+  exact backend within the tensor core's truncation bound (mosaic_fast's
+  docstring) for mxfp4, mxfp4-dh16, nvfp4 and fp8. The GPU's bits are not
+  checked here (no GPU).
 """
 
 import dataclasses
@@ -21,6 +28,7 @@ import numpy as np
 import pytest
 
 from fp4jax import dot, recipes
+from fp4jax.backends import mosaic_fast
 from fp4jax.kernels import hopper_gemm
 
 pytestmark = pytest.mark.skipif(hopper_gemm.unavailable() is not None,
@@ -51,6 +59,85 @@ def test_interpreted_kernel_is_its_reference_bit_for_bit():
   b8 = (100 * jax.random.normal(kb, (n, k))).astype(jnp.float8_e5m2)
   got = hopper_gemm.matmul(a8, b8, interpret=True)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(hopper_gemm.reference(a8, b8)))
+
+
+def test_interpreted_fast_kernel_is_its_reference_bit_for_bit():
+  """One promotion per 128 of K (a chain of four wgmmas); E2M1 values shifted by up to
+  2 binades, as the fold makes them: every chunk sum is exact in float32, so any
+  order gives the same bits."""
+  m, n, k = 136, 128, 384
+  ka, kb, ksa, ksb, kx = jax.random.split(jax.random.key(1), 5)
+  shift = lambda key, shape: 2.0 ** jax.random.randint(key, shape, -2, 3).astype(jnp.float32)
+  a = (_e2m1(ka, (m, k)).astype(jnp.float32) * shift(kx, (m, k))).astype(jnp.float8_e4m3fn)
+  b = _e2m1(kb, (n, k))
+  sa, sb = _pow2(ksa, (k // 128, m)), _pow2(ksb, (k // 128, n))
+  got = hopper_gemm.matmul(a, b, sa, sb, interpret=True, block=hopper_gemm.CHUNK)
+  want = hopper_gemm.reference(a, b, sa, sb, block=hopper_gemm.CHUNK)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  got = hopper_gemm.matmul(a, b.astype(jnp.float8_e5m2), interpret=True, block=hopper_gemm.CHUNK)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(hopper_gemm.reference(
+      a, b.astype(jnp.float8_e5m2), block=hopper_gemm.CHUNK)))
+
+
+def _blocks(exponents, seed=0):
+  """E4M3 E2M1 values [1, 8, 32 * len(exponents)] and their scales [1, blocks, 8]
+  2^exponents[j] for block j (every row alike)."""
+  values = _e2m1(jax.random.key(seed), (1, 8, 32 * len(exponents)))
+  scales = jnp.broadcast_to(2.0 ** jnp.asarray(exponents, jnp.float32)[None, :, None],
+                            (1, len(exponents), 8))
+  return values, scales
+
+
+def test_the_fold_is_exact_within_14_binades():
+  # Chunk 1 spans exactly 14 binades (-3 .. 11); chunk 2 has a zero block; K is 5 blocks
+  # (padded to two chunks).
+  values, scales = _blocks([11, -3, 4, 0, 7])
+  values = values.at[:, :, 96:128].set(0)
+  folded, chunk_scales, lost = mosaic_fast.fold(values, scales)
+  assert folded.dtype == jnp.float8_e4m3fn and folded.shape == (1, 8, 256)
+  assert int(lost) == 0
+  dequantized = (values.astype(jnp.float32).reshape(1, 8, 5, 32)
+                 * jnp.swapaxes(scales, 1, 2)[..., None]).reshape(1, 8, 160)
+  refolded = (folded.astype(jnp.float32).reshape(1, 8, 2, 128)
+              * jnp.swapaxes(chunk_scales, 1, 2)[..., None]).reshape(1, 8, 256)
+  np.testing.assert_array_equal(np.asarray(refolded[..., :160]), np.asarray(dequantized))
+  assert not np.any(np.asarray(refolded[..., 160:]))
+  np.testing.assert_array_equal(np.asarray(chunk_scales[0, :, 0]), [2.0 ** 5, 2.0 ** 1])
+
+
+def test_the_fold_counts_what_it_loses_beyond_14_binades():
+  """A block 30 binades below its chunk's largest: shifted by 2^-24, every nonzero
+  E2M1 value of it falls below E4M3's smallest subnormal and is lost."""
+  values, scales = _blocks([10, -20, 10, 10])
+  _, _, lost = mosaic_fast.fold(values, scales)
+  assert int(lost) == int(np.count_nonzero(np.asarray(values[:, :, 32:64]).astype(np.float32)))
+  assert int(lost) > 0
+
+
+def _within_truncation(got, exact):
+  """|fast - exact| within 4 x 2^-13 x sum |a||b| per chunk (mosaic_fast's bound),
+  taking sum |a||b| <= 8 max |exact| as in the xla comparison below."""
+  np.testing.assert_allclose(got, exact, rtol=0, atol=4 * 2.0**-13 * 8 * np.abs(exact).max())
+
+
+# Fprop contracts K = 320 (three chunks, the last padded), Dgrad 72, Wgrad 40.
+FAST_SHAPE = (40, 320, 72)
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "mxfp4-dh16", "nvfp4", "fp8"])
+def test_the_fast_backend_is_the_exact_one_within_the_truncation_bound(name):
+  for got, exact in zip(_fwd_bwd(name, "mosaic_fast", *FAST_SHAPE),
+                        _fwd_bwd(name, "mosaic", *FAST_SHAPE)):
+    _within_truncation(got, exact)
+
+
+def test_the_fast_backend_interpreted_is_its_cpu_program():
+  """mxfp4's folded GEMMs and fp8's unscaled chains, forward and backward, in the
+  interpreter: the CPU program's bits."""
+  for name in ("mxfp4", "fp8"):
+    for got, ref in zip(_fwd_bwd(name, "mosaic_fast", *RAGGED, interpret=True),
+                        _fwd_bwd(name, "mosaic_fast", *RAGGED)):
+      np.testing.assert_array_equal(got, ref)
 
 
 def test_the_kernel_refuses_operands_it_cannot_take():

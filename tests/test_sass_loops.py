@@ -103,9 +103,9 @@ def test_bad_flags_exit_2_naming_what_was_given(capsys, argv, names):
 @needs_plugin
 def test_deviceless_mosaic_gemm_and_jax_matmul_loops():
   """The exact mode promotes per 32-block: per 64-K step of one warp 2 FP8 wgmmas
-  and one FMUL + one FFMA per accumulator element and block (64 x 2 each); jax's
-  bf16 Hopper matmul keeps one accumulator, does no FP32 work in its loop and is
-  tensor-bound at the bf16 peak. Neither spills (ptxas's own report)."""
+  and one FMUL + one FFMA per accumulator element and block (64 x 2 each); the fast
+  mode per 128; jax's bf16 Hopper matmul keeps one accumulator, does no FP32 work
+  in its loop and is tensor-bound at the bf16 peak. None spills (ptxas's report)."""
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -118,6 +118,17 @@ def test_deviceless_mosaic_gemm_and_jax_matmul_loops():
   assert exact.loop["spill"] == {"LDL": 0, "STL": 0}
   assert "0 bytes spill stores" in exact.ptxas
   assert exact.limit != "tensor"
+  (fast,) = sass_loops.compile_program("mosaic_fast", (256, 512, 256), mesh)
+  # One promotion per 128 of K: a chain of four wgmmas, a quarter of the FP32 work per
+  # wgmma, and the tensor cores' time above the FP32 lanes' and the issue's.
+  assert fast.loop["tensor"] == {"QGMMA.64x128x32.F32.E4M3.E4M3": 4}
+  assert fast.k_per_iteration == 128
+  assert fast.loop["fp32"] == {"FMUL": 64, "FFMA": 64, "FADD": 0}
+  assert fast.per_wgmma["fp32"] <= 40
+  assert fast.loop["spill"] == {"LDL": 0, "STL": 0}
+  assert "0 bytes spill stores" in fast.ptxas
+  assert fast.clocks["tensor"] > max(fast.clocks["fp32"], fast.clocks["issue"])
+  assert fast.ceiling >= 1.6
   (reference,) = sass_loops.compile_program("mgpu_bf16", (256, 512, 256), mesh)
   assert set(reference.loop["tensor"]) == {"HGMMA.64x128x16.F32.BF16"}
   assert sum(reference.loop["fp32"].values()) == 0

@@ -60,15 +60,16 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-NAMES = ("xla", "pallas", "native", "mosaic")
+NAMES = ("xla", "pallas", "native", "mosaic", "mosaic_fast")
 # Oldest jax a backend runs on (default: the project's floor), and what it needs there.
-MIN_JAX = {"native": (0, 11), "mosaic": (0, 11)}
+MIN_JAX = {"native": (0, 11), "mosaic": (0, 11), "mosaic_fast": (0, 11)}
 # Oldest jax `auto` picks a backend on: mosaic's SASS (QGMMA) was read deviceless on
 # jax 0.12.1; on 0.11.2 it compiles deviceless to Mosaic GPU GEMMs on FP8 operands
 # and equals its interpreter, but that jax's executables hold no SASS to read.
 AUTO_MIN_JAX = {"native": (0, 11), "mosaic": (0, 12)}
 _NEEDS = {"native": "jax.nn.scaled_matmul with a CPU lowering",
-          "mosaic": "Pallas Mosaic GPU with mixed E4M3 x E5M2 wgmma"}
+          "mosaic": "Pallas Mosaic GPU with mixed E4M3 x E5M2 wgmma",
+          "mosaic_fast": "Pallas Mosaic GPU with mixed E4M3 x E5M2 wgmma"}
 # The native backend's GEMM op per route ("auto": by format, native.route_for).
 NATIVE_ROUTES = {"auto": None, "scaled_matmul": ("nn", "scaled_matmul"),
                  "scaled_dot": ("lax", "scaled_dot")}

@@ -36,6 +36,7 @@ sums); on CUDA the compiled kernel. Needs jax >= 0.11; `auto` picks it on jax >=
 "auto" asks before it picks this backend).
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -159,11 +160,18 @@ def matmul(a, b, dims, precision, out_sharding, route=None, plan=None):
   runs per shard, its partial products summed over plan.reduce (psum, or
   psum_scatter where plan.scatter says), before the operands' factors."""
   del precision, route
+  return run(a, b, dims, out_sharding, plan, gemm)
+
+
+def run(a, b, dims, out_sharding, plan, gemm_fn):
+  """`matmul` with gemm_fn(values_a, values_b, scales_a, scales_b) -> float32 [B, M, N]
+  (`gemm`'s arguments) as the GEMM: what this backend and mosaic_fast share."""
+  product = lambda a, b: _product(a, b, dims, gemm_fn)
   if plan is None:
-    y = _product(a, b, dims)
+    y = product(a, b)
   else:
     def local(av, asc, bv, bsc):
-      y = _product(a._replace(values=av, scales=asc), b._replace(values=bv, scales=bsc), dims)
+      y = product(a._replace(values=av, scales=asc), b._replace(values=bv, scales=bsc))
       return plan.sum_partials(y)
 
     (ca, cb), _ = dims
@@ -184,14 +192,22 @@ def _values_spec(op, spec, contract):
   return spec[:axis] + spec[axis + 1:] + (spec[axis],)
 
 
-def _product(a, b, dims):
-  """hopper_gemm.matmul's float32 dot_general(a, b, dims), without the factors."""
+def gemm(av, bv, asc, bsc, block=hopper_gemm.BLOCK):
+  """hopper_gemm.matmul (one promotion per `block` of K) of [B, rows, K] values and
+  [B, K / block, rows] scales (or None): float32 [B, M, N]."""
+  args = (av, bv) if asc is None else (av, bv, asc, bsc)
+  call = functools.partial(hopper_gemm.matmul, block=block)
+  if av.shape[0] == 1:
+    return call(*(t[0] for t in args))[None]
+  return jax.vmap(call)(*args)
+
+
+def _product(a, b, dims, gemm_fn):
+  """gemm_fn's float32 dot_general(a, b, dims), without the factors."""
   (ca, cb), (ba, bb) = dims
   av, asc, a_shape = _batch_rows_k(a, ca, ba)
   bv, bsc, b_shape = _batch_rows_k(b, cb, bb)
-  args = (av, bv) if asc is None else (av, bv, asc, bsc)
-  y = (hopper_gemm.matmul(*(t[0] for t in args))[None] if av.shape[0] == 1
-       else jax.vmap(hopper_gemm.matmul)(*args))
+  y = gemm_fn(av, bv, asc, bsc)
   return y.reshape(a_shape + b_shape[len(bb):])  # dot_general's layout
 
 

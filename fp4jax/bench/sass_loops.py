@@ -236,6 +236,28 @@ def _mosaic_exact(m, k, n):
       hopper_gemm.TILE
 
 
+def _mosaic_fast(m, k, n):
+  """The `mosaic_fast` backend's GEMM: E4M3 elements with each 32-block's scale folded
+  in, float32 scales per 128-element chunk, one promotion per chunk."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from fp4jax.kernels import hopper_gemm  # pylint: disable=g-import-not-at-top
+  chunk = hopper_gemm.CHUNK
+  args = [((m, k), jnp.float8_e4m3fn), ((n, k), jnp.float8_e4m3fn),
+          ((k // chunk, m), jnp.float32), ((k // chunk, n), jnp.float32)]
+  return (lambda a, b, sa, sb: hopper_gemm.matmul(a, b, sa, sb, interpret=False,
+                                                  block=chunk)), args, hopper_gemm.TILE
+
+
+def _mosaic_fast_fp8(m, k, n):
+  """`mosaic_fast` on per-tensor FP8 (the fp8 recipe): no scales, one float32 addition
+  per 128-element chunk (E4M3 x E5M2, as its Dgrad)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from fp4jax.kernels import hopper_gemm  # pylint: disable=g-import-not-at-top
+  args = [((m, k), jnp.float8_e4m3fn), ((n, k), jnp.float8_e5m2)]
+  return (lambda a, b: hopper_gemm.matmul(a, b, interpret=False, block=hopper_gemm.CHUNK)), \
+      args, hopper_gemm.TILE
+
+
 def _xla_bf16(m, k, n):
   """XLA's own bf16 GEMM (what the bf16 recipe's layers run): [M, K] x [N, K]^T -> bf16."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -256,7 +278,8 @@ def _mgpu_bf16(m, k, n):
                                                           ((k, n), jnp.bfloat16)], (128, 128)
 
 
-PROGRAMS = {"mosaic": _mosaic_exact, "xla_bf16": _xla_bf16, "mgpu_bf16": _mgpu_bf16}
+PROGRAMS = {"mosaic": _mosaic_exact, "mosaic_fast": _mosaic_fast,
+            "mosaic_fast_fp8": _mosaic_fast_fp8, "xla_bf16": _xla_bf16, "mgpu_bf16": _mgpu_bf16}
 SHAPES = ((4096, 4096, 4096), (16384, 4096, 14336))  # M x K x N
 
 

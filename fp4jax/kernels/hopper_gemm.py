@@ -47,8 +47,10 @@ from fp4jax.kernels import target
 from fp4jax.numerics import operand
 
 BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block scale
+CHUNK = 128  # the fast mode's elements along K per promotion: a chain of 4 wgmmas
 TILE = (64, 128)  # [tile_m, tile_n] of one compute warpgroup
-STEP_BLOCKS = 2  # blocks per pipeline step: one block's scaling overlaps the next's wgmma
+# Blocks per pipeline step, by block: one block's scaling overlaps the next's wgmma.
+STEP_BLOCKS = {BLOCK: 2, CHUNK: 1}
 STAGES = 4  # shared-memory slots of the TMA pipeline
 MIN_JAX = (0, 11)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -74,8 +76,10 @@ def _plgpu():
   return plgpu
 
 
-def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
-  """One CTA: C[2 tile_m, tile_n] at grid point (m, n), STEP_BLOCKS blocks per step."""
+def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages, block,
+            step_blocks):
+  """One CTA: C[2 tile_m, tile_n] at grid point (m, n), `step_blocks` blocks of `block`
+  elements of K per step, one promotion per block."""
   plgpu = _plgpu()
   if scaled:
     sa_gmem, sb_gmem, c_gmem, out_smem = rest
@@ -85,7 +89,8 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
   n_slice = pl.ds(lax.axis_index("n") * tile_n, tile_n)
   wg = lax.axis_index("wg")
   wg_rows = pl.ds(wg * tile_m, tile_m)
-  operand_transforms = (plgpu.TilingTransform((8, BLOCK)), plgpu.SwizzleTransform(BLOCK))
+  # One FP8 row of a block is `block` bytes: swizzled by as many (32 or 128).
+  operand_transforms = (plgpu.TilingTransform((8, block)), plgpu.SwizzleTransform(block))
 
   def compute(run_pipeline):
     acc = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
@@ -98,15 +103,15 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
   def step(_, *refs):
     """Issues the wgmma of every block of the step, then scales and adds each partial
     in K order as soon as it is done, while the later blocks' wgmmas run."""
-    a_blocks, b_blocks = refs[:STEP_BLOCKS], refs[STEP_BLOCKS:2 * STEP_BLOCKS]
-    *scales, acc = refs[2 * STEP_BLOCKS:]
+    a_blocks, b_blocks = refs[:step_blocks], refs[step_blocks:2 * step_blocks]
+    *scales, acc = refs[2 * step_blocks:]
 
     def products(*part_refs):
       for part_ref, a_smem, b_smem in zip(part_refs, a_blocks, b_blocks):
         plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
       out = acc
       for j, part_ref in enumerate(part_refs):
-        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=STEP_BLOCKS - 1 - j)
+        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=step_blocks - 1 - j)
         if scaled:
           sa_smem, sb_smem = scales
           sa = plgpu.load(sa_smem.at[j, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -116,16 +121,16 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
         out = out + part
       return out
 
-    return pl.run_scoped(products, *[plgpu.ACC((tile_m, tile_n), jnp.float32)] * STEP_BLOCKS)
+    return pl.run_scoped(products, *[plgpu.ACC((tile_m, tile_n), jnp.float32)] * step_blocks)
 
-  block = lambda rows, j: plgpu.BlockSpec(
-      (rows, BLOCK), lambda k, j=j: (0, STEP_BLOCKS * k + j), transforms=operand_transforms)
-  in_specs = ([block(2 * tile_m, j) for j in range(STEP_BLOCKS)]
-              + [block(tile_n, j) for j in range(STEP_BLOCKS)])
-  operands = [a_gmem.at[m_slice]] * STEP_BLOCKS + [b_gmem.at[n_slice]] * STEP_BLOCKS
+  spec = lambda rows, j: plgpu.BlockSpec(
+      (rows, block), lambda k, j=j: (0, step_blocks * k + j), transforms=operand_transforms)
+  in_specs = ([spec(2 * tile_m, j) for j in range(step_blocks)]
+              + [spec(tile_n, j) for j in range(step_blocks)])
+  operands = [a_gmem.at[m_slice]] * step_blocks + [b_gmem.at[n_slice]] * step_blocks
   if scaled:
-    in_specs += [plgpu.BlockSpec((STEP_BLOCKS, 2 * tile_m), lambda k: (k, 0)),
-                 plgpu.BlockSpec((STEP_BLOCKS, tile_n), lambda k: (k, 0))]
+    in_specs += [plgpu.BlockSpec((step_blocks, 2 * tile_m), lambda k: (k, 0)),
+                 plgpu.BlockSpec((step_blocks, tile_n), lambda k: (k, 0))]
     operands += [sa_gmem.at[:, m_slice], sb_gmem.at[:, n_slice]]
   pipeline = plgpu.emit_pipeline_warp_specialized(
       step, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
@@ -133,47 +138,54 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages):
   pipeline(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile", "stages"))
-def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, stages=STAGES):
+@functools.partial(jax.jit, static_argnames=("interpret", "tile", "stages", "block"))
+def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, stages=STAGES,
+           block=BLOCK):
   """C[M, N] float32 = sum over K-blocks j of (A_j B_j^T) * a_scales[j] b_scales[j]^T.
 
-  a: [M, K] FP8, b: [N, K] FP8 (K-major), K a multiple of 32; a_scales [K/32, M],
-  b_scales [K/32, N] float32 or both None. tile: (tile_m, tile_n) of one compute
-  warpgroup (tile_m a multiple of 64, tile_n of 8, at most 256).
+  a: [M, K] FP8, b: [N, K] FP8 (K-major), K a multiple of `block`; a_scales
+  [K/block, M], b_scales [K/block, N] float32 or both None. block: the elements
+  of K per promotion, BLOCK (32: one wgmma per block, the exact mode) or CHUNK
+  (128: a chain of four wgmmas accumulating in the tensor core, the fast mode).
+  tile: (tile_m, tile_n) of one compute warpgroup (tile_m a multiple of 64,
+  tile_n of 8, at most 256).
   """
   plgpu = _plgpu()
   (m, k), (n, k2) = a.shape, b.shape
-  if k != k2 or k % BLOCK or a.dtype not in FP8 or b.dtype not in FP8:
-    raise ValueError(f"operands must be FP8 [M, K] and [N, K] with K a multiple of {BLOCK}; "
+  if block not in STEP_BLOCKS:
+    raise ValueError(f"block must be one of {sorted(STEP_BLOCKS)}; got {block}")
+  if k != k2 or k % block or a.dtype not in FP8 or b.dtype not in FP8:
+    raise ValueError(f"operands must be FP8 [M, K] and [N, K] with K a multiple of {block}; "
                      f"got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
   scaled = a_scales is not None
   if scaled != (b_scales is not None) or scaled and (
-      a_scales.shape != (k // BLOCK, m) or b_scales.shape != (k // BLOCK, n)):
-    raise ValueError(f"block scales must be [K/32, M] and [K/32, N] or both None; got "
-                     f"{None if a_scales is None else a_scales.shape} and "
+      a_scales.shape != (k // block, m) or b_scales.shape != (k // block, n)):
+    raise ValueError(f"block scales must be [K/{block}, M] and [K/{block}, N] or both None; "
+                     f"got {None if a_scales is None else a_scales.shape} and "
                      f"{None if b_scales is None else b_scales.shape} for M, N, K = {m, n, k}")
   tm, tn = tile or TILE
   pm, pn = target.whole_tiles(m, 2 * tm), target.whole_tiles(n, tn)
-  step_k = STEP_BLOCKS * BLOCK  # K zero-padded to whole steps: zero blocks add zero
+  step_blocks = STEP_BLOCKS[block]
+  step_k = step_blocks * block  # K zero-padded to whole steps: zero blocks add zero
   pad = lambda x, rows: operand.pad_axis(operand.pad_axis(x, 0, rows), 1, step_k)
   operands = [pad(a, 2 * tm), pad(b, tn)]
   if scaled:
     pad_scales = lambda s, cols: operand.pad_axis(jnp.pad(
-        s.astype(jnp.float32), ((0, -s.shape[0] % STEP_BLOCKS), (0, 0)), constant_values=1),
+        s.astype(jnp.float32), ((0, -s.shape[0] % step_blocks), (0, 0)), constant_values=1),
         1, cols)
     operands += [pad_scales(a_scales, 2 * tm), pad_scales(b_scales, tn)]
   out_smem = plgpu.SMEM((2, tm, tn), jnp.float32)
   call = lambda interpret_as: plgpu.kernel(
       functools.partial(_kernel, k_steps=-(-k // step_k), tile_m=tm, tile_n=tn, scaled=scaled,
-                        stages=stages),
+                        stages=stages, block=block, step_blocks=step_blocks),
       out_type=jax.ShapeDtypeStruct((pm, pn), jnp.float32),
       scratch_types=[out_smem],
       grid=(pm // (2 * tm), pn // tn), grid_names=("m", "n"),
       num_threads=3, thread_name="wg", interpret=interpret_as,
-      kernel_name=f"fp4jax_hopper_gemm_{m}x{n}x{k}")  # SASS per GEMM (bench.hlo_stats)
+      kernel_name=f"fp4jax_hopper_gemm{'' if block == BLOCK else '_fast'}_{m}x{n}x{k}")
   if interpret is None:  # the interpreter's callbacks cannot sit in a platform_dependent
-    c = lax.platform_dependent(*operands, cuda=call(False),
-                               default=lambda *x: _reference_padded(*x, scaled=scaled))
+    c = lax.platform_dependent(*operands, cuda=call(False), default=lambda *x: _reference_padded(
+        *x, scaled=scaled, block=block))
   else:
     c = call(_interpret_params() if interpret is True else interpret)(*operands)
   return target.cut_to(c, (m, n))
@@ -185,17 +197,19 @@ def _interpret_params():
   return _plgpu().InterpretGPUParams()
 
 
-def _reference_padded(*operands, scaled):
-  return reference(*operands) if scaled else reference(*operands[:2])
+def _reference_padded(*operands, scaled, block):
+  return reference(*(operands if scaled else operands[:2]), block=block)
 
 
-def reference(a, b, a_scales=None, b_scales=None):
-  """What `matmul` computes, in jnp: each block's exact partial in float32, scaled,
+def reference(a, b, a_scales=None, b_scales=None, block=BLOCK):
+  """What `matmul` computes, in jnp: each block's partial in float32 (exact for a
+  32-block of E2M1 products; for a 128-chunk the float32 sum, which the GPU's
+  tensor-core accumulation truncates: fp4jax.backends.mosaic_fast), scaled,
   summed over blocks in increasing K order (one rounding per block)."""
   (m, k), n = a.shape, b.shape[0]
-  parts = jnp.einsum("mjb,njb->jmn", a.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK),
-                     b.astype(jnp.float32).reshape(n, k // BLOCK, BLOCK),
+  parts = jnp.einsum("mjb,njb->jmn", a.astype(jnp.float32).reshape(m, k // block, block),
+                     b.astype(jnp.float32).reshape(n, k // block, block),
                      precision=lax.Precision.HIGHEST)
   if a_scales is not None:
     parts = parts * a_scales.astype(jnp.float32)[:, :, None] * b_scales.astype(jnp.float32)[:, None, :]
-  return lax.fori_loop(0, k // BLOCK, lambda j, acc: acc + parts[j], jnp.zeros((m, n), jnp.float32))
+  return lax.fori_loop(0, k // block, lambda j, acc: acc + parts[j], jnp.zeros((m, n), jnp.float32))
