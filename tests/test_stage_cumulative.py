@@ -213,3 +213,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
   (tmp_path / "e5" / "DECLARATION.json").write_text(json.dumps(raw))
   with pytest.raises(errors.UserError, match="horizon\\(s\\) 9"):
     stage_cumulative.read(str(tmp_path / "e5"))
+
+
+def test_a_horizon_without_baseline_runs_yet_is_read_without_its_token_numbers(tmp_path):
+  folder = make_study(str(tmp_path / "e5"), "data", seeds=2, horizons=("0.25",))
+  shutil.rmtree(os.path.join(folder, "tpp0.25", "fp8_seed0"))
+  shutil.rmtree(os.path.join(folder, "tpp0.25", "fp8_seed1"))
+  text = stage_cumulative.write(folder)
+  assert "| FD - F | - | 0 | - |" in text and "| FDW - fp8 | - | 0 | - | 26-27% |" in text
+  assert "the smallest effect, 5% more tokens, is nan nats" in text
+  assert "**not measured**" in text and "No runs yet: " in text

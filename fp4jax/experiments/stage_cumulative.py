@@ -127,6 +127,10 @@ def _ratio(a, b) -> float:
   return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
 
 
+def _times(ratio) -> str:
+  return f"{ratio:.2f}x" if math.isfinite(ratio) else "-"
+
+
 def _judged(value, rule) -> bool | None:
   return None if not math.isfinite(value) else bool(rule(value))
 
@@ -144,7 +148,7 @@ def validity(runs, baseline="fp8") -> list[Check]:
   for arm in MXFP4_WGRAD + (FP8_WGRAD,):
     ratios = [_ratio(horizon_lib.operand_errors(runs.get(arm, []))[k], base[k])
               for k in ("lhs_err", "rhs_err")]
-    numbers = f"X {ratios[0]:.2f}x, dY {ratios[1]:.2f}x {baseline}'s"
+    numbers = f"X {_times(ratios[0])}, dY {_times(ratios[1])} {baseline}'s"
     if arm == FP8_WGRAD:
       met = [_judged(r, lambda r: abs(r - 1) <= 0.10) for r in ratios]
       text = f"{arm}'s Wgrad operand errors within 10% of {baseline}'s"
@@ -157,14 +161,15 @@ def validity(runs, baseline="fp8") -> list[Check]:
     for arm in arms:
       ratio = _ratio(*((errs.get(a, {}).get(role) or math.nan) for a in (arm, baseline)))
       checks.append(Check(f"{arm}'s {role.capitalize()} output error (reference batch) >= 2x "
-                          f"{baseline}'s", f"{ratio:.2f}x", _judged(ratio, lambda r: r >= 2)))
+                          f"{baseline}'s", _times(ratio), _judged(ratio, lambda r: r >= 2)))
   drops = []
   for run in runs.get(baseline, []):
     steps, loss = horizon_lib.eval_curve(run)
     drops.append(loss[0] - loss[-1] if steps.size and steps[0] == 0 else math.nan)
   least = min(drops) if drops and all(math.isfinite(d) for d in drops) else math.nan
+  shown = f"least drop {least:.2f} nats over {len(drops)} seeds" if drops else "no runs of it"
   checks.append(Check(f"{baseline} trains: final validation loss >= 1 nat below step 0 on "
-                      "every seed", f"least drop {least:.2f} nats over {len(drops)} seeds",
+                      "every seed", shown,
                       _judged(least, lambda d: d >= 1)))
   return checks
 
@@ -261,8 +266,9 @@ def stage_lines(h) -> list[str]:
   """Markdown: each arm against the baseline and STAGE_INCREMENTS in extra
   tokens (95% t-intervals over seeds, descriptive), with tokens to target."""
   runs, base = h.study.runs, h.study.decl.baseline
-  rows, _, _ = report.summarize(runs, base, target_at=0.75)
-  ttt = {r.recipe: r for r in rows}
+  # tokens to target need the baseline's runs (the target is its loss at 75% of its tokens)
+  ttt = {r.recipe: r for r in report.summarize(runs, base, target_at=0.75)[0]} if (
+      runs.get(base)) else {}
   paper = _paper(h.folder)
   lines = [f"| contrast | extra tokens, mean [95%] | seeds | tokens to target: median overhead "
            f"(reached) | paper (8B, C4) |", "|---|---|---|---|---|"]
@@ -281,11 +287,16 @@ def stage_lines(h) -> list[str]:
   return lines
 
 
+def _where(h) -> str:
+  """"FOLDER holds none" or "FOLDER does not exist" (a horizon without runs)."""
+  return f"{h.folder} " + ("holds none" if os.path.isdir(h.folder) else "does not exist")
+
+
 def horizon_lines(h) -> list[str]:
   """Markdown of one horizon: its runs, validity, claims and stage costs."""
   lines = ["", f"## {h.name} tokens per non-embedding parameter (`{h.folder}`)", ""]
   if not h.study.runs:
-    return lines + [f"No runs yet ({h.study.withheld})."]
+    return lines + [f"No runs yet: {_where(h)}."]
   decl, runs = h.study.decl, h.study.runs
   finished = sum(r.finished for rs in runs.values() for r in rs)
   total = sum(len(rs) for rs in runs.values())
@@ -376,8 +387,7 @@ def text(folder) -> tuple:
   """(the reading's markdown, whether any horizon has runs)."""
   raw, decl, spec, horizons = read(folder)
   if not any(h.study.runs for h in horizons.values()):
-    where = "; ".join(f"{h.folder} " + ("holds none" if os.path.isdir(h.folder) else
-                                        "does not exist") for h in horizons.values())
+    where = "; ".join(_where(h) for h in horizons.values())
     return (f"{raw['study']}: no runs yet ({where}). Start them with the declaration's "
             f"design.command.\n"), False
   smallest = math.log1p(decl.smallest_effect_tokens)
