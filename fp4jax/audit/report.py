@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from fp4jax import recipes
 from fp4jax.llama import linears
+from fp4jax.audit import trace
 from fp4jax.numerics import tiles
 
 ROLES = {"fprop": "Fprop", "dgrad": "Dgrad", "wgrad": "Wgrad"}
@@ -53,7 +54,7 @@ class Row:
 def operand_text(op) -> str:
   """A realized operand in words: format, block, scale rule, rounding, rotation."""
   if op.quant:
-    text = " + ".join(spec_text(s) for s in sorted(op.quant, key=repr))
+    text = " + ".join(sorted(spec_text(s) for s in op.quant))
     if op.raw:
       text += " mixed with unquantized data"
   else:
@@ -64,7 +65,9 @@ def operand_text(op) -> str:
 
 
 def spec_text(spec) -> str:
-  """A QuantSpec in words, e.g. "mxfp4 b32 E8M0-even RNE"."""
+  """A QuantSpec in words, e.g. "mxfp4 b32 E8M0-even RNE" (a trace.Kernel: its name)."""
+  if isinstance(spec, trace.Kernel):
+    return f"kernel {spec.name} (its format is not in the trace)"
   if spec.block is None:
     block = "per-tensor"
   elif spec.block_2d:
@@ -92,6 +95,9 @@ def _differences(name, op, spec, rotation):
   out = []
   want_quant = frozenset() if spec is None else frozenset({_realized_spec(spec)})
   want = "unquantized" if spec is None else spec_text(spec)
+  kernels = {q for q in op.quant if isinstance(q, trace.Kernel)}
+  if kernels and spec is not None and op.quant == kernels and not op.raw:
+    want_quant = op.quant  # a quantizer kernel: quantized, its format unseen (docs/audit.md)
   if op.quant != want_quant or (spec is not None and op.raw):
     out.append(f"{name}: asked {want}, ran {operand_text(op)}")
   want_rot = frozenset() if rotation is None else frozenset({(rotation.block, rotation.signs)})
@@ -111,7 +117,8 @@ def _precision(lhs, rhs) -> str:
   def cls(op):
     if op.raw or not op.quant:
       return _DTYPES.get(op.dtype, op.dtype)
-    return "+".join(sorted({_FAMILY.get(s.fmt, s.fmt) for s in op.quant}))
+    return "+".join(sorted({"kernel" if isinstance(s, trace.Kernel) else _FAMILY.get(s.fmt, s.fmt)
+                            for s in op.quant}))
   a, b = cls(lhs), cls(rhs)
   return a if a == b else f"{a} x {b}"
 

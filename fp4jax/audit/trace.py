@@ -8,7 +8,9 @@ count of the scans around it) and, per operand, what the dataflow says it is:
 
   quant     the QuantSpecs of the quantizers whose outputs reach the operand
             (every operation fp4jax.numerics.formats runs to quantize carries
-            the name scope formats.QUANTIZE_SCOPE + repr(spec));
+            the name scope formats.QUANTIZE_SCOPE + repr(spec)), or a Kernel
+            for a quantizer kernel (a pallas_call, whose format the trace
+            does not show);
   raw       True when data also reaches it without passing a quantizer
             (an unquantized operand: quant empty, raw True);
   rotations the Hadamard rotations on its way: (block, signs) per rotation,
@@ -46,6 +48,8 @@ MAX_ROTATION = 256
 # (operands [B, M, K] x [B, N, K]).
 GEMM_PRIMITIVES = ("dot_general", "scaled_dot", "scaled_matmul_wrapper")
 _SCALED_DIMS = (((2,), (2,)), ((0,), (0,)))
+# A GEMM kernel's name (fp4jax.kernels.hopper_gemm: fp4jax_hopper_gemm_MxNxK).
+_KERNEL_GEMM = re.compile(r"gemm_(\d+)x(\d+)x(\d+)")
 # Primitives whose i-th output is their i-th input.
 _PASS_THROUGH = ("optimization_barrier",)
 # Primitives that draw or handle random bits: keys carry no data.
@@ -54,6 +58,13 @@ _PRNG = {"random_bits", "random_seed", "random_wrap", "random_unwrap", "random_f
 _SPEC = re.compile(re.escape(formats.QUANTIZE_SCOPE) + r"QuantSpec\(([^()]*)\)")
 _FIELD = re.compile(r"(\w+)=('[^']*'|[^,]+)")
 _BLOCK = re.compile(r"block_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A quantizer kernel (a pallas_call): its format is set inside the kernel, where
+  the trace does not show it."""
+  name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +239,9 @@ class _Walker:
         ins = [_flags_only(x) if not getattr(v.aval, "shape", ()) else x
                for x, v in zip(ins, eqn.invars)]
       subs = [_open(j) for j in jex.core.jaxprs_in_params(eqn.params)]
-      if subs and any(self.followed(j) for j in subs) and not _quantizer(full):
+      if eqn.primitive.name == "pallas_call":
+        outs = [self._kernel(eqn, ins, full, weight, alternative)] * len(eqn.outvars)
+      elif subs and any(self.followed(j) for j in subs) and not _quantizer(full):
         outs = self._nested(eqn, subs, ins, full, weight, alternative)
       elif eqn.primitive.name in _PASS_THROUGH:
         outs = ins
@@ -274,7 +287,19 @@ class _Walker:
       return dataclasses.replace(x, rotations=x.rotations ^ {(block, _signs(ins[m]))})
     return self._gemm(eqn, ins, stack, weight, alternative)
 
-  def _gemm(self, eqn, ins, stack, weight, alternative):
+  def _kernel(self, eqn, ins, stack, weight, alternative):
+    """A pallas_call: a GEMM kernel (named *_gemm_MxNxK, fp4jax.kernels.hopper_gemm)
+    or a quantizer kernel (fp4jax.kernels.quantize)."""
+    name = str(eqn.params.get("name") or eqn.params.get("name_and_src_info", "kernel"))
+    gemm = _KERNEL_GEMM.search(name)
+    if gemm:
+      m, n, k = map(int, gemm.groups())
+      return self._gemm(eqn, ins, stack, weight, alternative, flops=2 * m * n * k,
+                        prim=f"pallas_call {name}")
+    merged = _union(ins)
+    return dataclasses.replace(merged, quant=frozenset({Kernel(name)}), raw=frozenset())
+
+  def _gemm(self, eqn, ins, stack, weight, alternative, flops=None, prim=None):
     scopes = _scopes(stack)
     path = module_path(stack)
     label = f"{path}#{eqn.invars[0].aval.shape}x{eqn.invars[1].aval.shape}"
@@ -282,10 +307,11 @@ class _Walker:
     backward = not recomputed and any(type(s).__name__ == "Transform" and s.name == "transpose"
                                       for s in stack.stack)
     self.gemms.append(Gemm(
-        path=path, backward=backward, recomputed=recomputed, flops=_flops(eqn) * weight,
+        path=path, backward=backward, recomputed=recomputed,
+        flops=(_flops(eqn) if flops is None else flops) * weight,
         label=label, lhs=_operand(ins[0], eqn.invars[0].aval),
         rhs=_operand(ins[1], eqn.invars[1].aval), out_dtype=str(eqn.outvars[0].aval.dtype),
-        prim=eqn.primitive.name, shapes=tuple(v.aval.shape for v in eqn.invars[:2]),
+        prim=prim or eqn.primitive.name, shapes=tuple(v.aval.shape for v in eqn.invars[:2]),
         alternative=alternative))
     # The output is new data: later operands name this GEMM (forward GEMMs by a
     # label that remat's recomputation shares).

@@ -43,6 +43,7 @@ from fp4jax.train import run_layout
 from fp4jax.train import throughput
 from fp4jax.train import wandb_log
 from fp4jax.llama import block_check
+from fp4jax import audit
 from fp4jax import checkpointing
 from fp4jax import errors
 from fp4jax import records
@@ -431,6 +432,9 @@ def _run(config, workdir, callbacks, t_start, model_cfg, segs, mesh,
         f"{segs[0].recipe.name}, mesh {dict(mesh.shape)}, "
         + (f"resuming at step {start}" if start else "starting at step 0"),
         flush=True)
+  if main:  # the precision each GEMM runs in, from the step's trace (fp4jax.audit)
+    print("\n".join(f"fp4jax: {line}" for line in audit.startup_lines(
+        config, model_cfg, segs[0].recipe, segment_programs[0], mesh)), flush=True)
   val_batches = pipeline.Windows(sharding.global_batch(b, mesh) for b in val_local)
   val_batches.overlap = val_local.overlap
   if val_batches.overlap and main:
