@@ -88,6 +88,8 @@ def test_the_runner_trains_its_runs_as_jobs_and_publishes_them(tmp_path, monkeyp
   monkeypatch.setattr(ablation, "_report", lambda *args: [])
   config = test_study_records._config()  # pylint: disable=protected-access
   config.ablation.cpus_per_run = 1
+  # more runs at once than this machine has cores: a scheduler's cores, not refused here
+  config.ablation.parallel = len(os.sched_getaffinity(0)) + 1
   config.ablation.executor, config.ablation.executor_params = "local", "timeout_min=5"
   work, results = tmp_path / "work", tmp_path / "results"
   for arm in ablation.arm_list(config):

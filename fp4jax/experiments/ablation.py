@@ -391,9 +391,10 @@ def check_study_folder(folder, what):
 def _check_before_recording(config, arm):
   """The start-up checks that need no data (the run slots, the trainer's own
   keys): a study refused by them leaves no record behind (ConfigError)."""
-  parallel.slots(config.ablation.parallel, config.ablation.cpus_per_run)
-  if config.ablation.executor:
+  if config.ablation.executor:  # a scheduler's cores, not this machine's
     cluster.check(config.ablation.executor, config.ablation.executor_params)
+  else:
+    parallel.slots(config.ablation.parallel, config.ablation.cpus_per_run)
   try:
     train_config.check(run_config(config, arm, config.seed))
   except ValueError as e:
@@ -474,8 +475,8 @@ def _train_all(config, todo, results, git_commit) -> bool:
   (fp4jax.experiments.parallel); False when a signal or a run's own stop
   interrupted them (a checkpoint saved: the same command resumes)."""
   ab = config.ablation
-  run_slots = parallel.slots(ab.parallel, ab.cpus_per_run)
-  if run_slots == [None] and not ab.executor:
+  run_slots = None if ab.executor else parallel.slots(ab.parallel, ab.cpus_per_run)
+  if run_slots == [None]:
     _use_compilation_cache(config)
     for arm, seed, path in todo:
       summary = _train(config, arm, seed, path)
@@ -505,7 +506,7 @@ def _train_all(config, todo, results, git_commit) -> bool:
 
   jobs = [(config, arm, seed, path, logging.get_verbosity()) for arm, seed, path in todo]
   if ab.executor:
-    signal_name = _train_as_jobs(config, jobs, len(run_slots), on_end)
+    signal_name = _train_as_jobs(config, jobs, on_end)
   else:
     signal_name = parallel.run(jobs, run_slots, _train_in_child, on_end)
   if failed:
@@ -519,16 +520,17 @@ def _train_all(config, todo, results, git_commit) -> bool:
   return True
 
 
-def _train_as_jobs(config, jobs, slots, on_end):
+def _train_as_jobs(config, jobs, on_end):
   """parallel.run's contract with each run a job of config.ablation.executor
-  (fp4jax.experiments.cluster), pinned to cpus_per_run cores; `slots`: how
-  many fit this machine's cores (the local executor's default limit)."""
+  (fp4jax.experiments.cluster), pinned to cpus_per_run cores, at most
+  `parallel` at once (0: on Slurm all, on this machine as many as fit its cores)."""
   ab = config.ablation
   cpus = ab.cpus_per_run or len(os.sched_getaffinity(0))
   workdir = os.path.dirname(jobs[0][3])
   ex = cluster.executor(ab.executor, os.path.join(workdir, ".submitit"), cpus,
                         ab.executor_params)
-  in_flight = ab.parallel or (None if ex.cluster == "slurm" else slots)
+  fit = max(1, len(os.sched_getaffinity(0)) // cpus)
+  in_flight = ab.parallel or (None if ex.cluster == "slurm" else fit)
   print(f"ablation: {len(jobs)} runs as {ex.cluster} jobs, "
         f"{in_flight or 'all'} at a time, each on {cpus} core(s); logs in "
         f"{os.path.join(workdir, '.submitit')}", flush=True)
