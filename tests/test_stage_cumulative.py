@@ -204,6 +204,10 @@ def test_bad_input_is_one_line(tmp_path, capsys):
   assert stage_cumulative.main(["x", str(tmp_path / "gone")]) == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "gone" in err and "DECLARATION.json" in err
+  assert stage_cumulative.main(["x", "--folder=y"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and "usage:" in err
+  assert stage_cumulative.main(["x", "--help"]) == 0 and "usage:" in capsys.readouterr().out
   raw = json.loads(DECLARATION.read_text())
   raw["horizon_contrast"]["label"] = "HC = (FDWH - fp8 at 2.6) - (FDW - fp8 at 0.25)"
   with pytest.raises(errors.UserError, match="same contrast"):

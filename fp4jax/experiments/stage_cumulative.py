@@ -421,9 +421,12 @@ def write(folder) -> str:
 
 
 def main(argv):
+  usage = f"usage: {_PROG} FOLDER (a study over horizons, e.g. results/stage_cumulative)"
+  if argv[1:] in (["-h"], ["--help"]):
+    print(usage)
+    return 0
   if len(argv) != 2 or argv[1].startswith("-"):
-    print(f"usage: {_PROG} FOLDER (a study over horizons, e.g. results/stage_cumulative)",
-          file=sys.stderr)
+    print(f"{_PROG}: {usage}", file=sys.stderr)
     return 2
   try:
     print(write(argv[1]), end="")
