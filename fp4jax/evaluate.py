@@ -56,16 +56,10 @@ _RUN_KEYS = ("steps", "seed", "batch_size", "micro_batch", "seq_len", "dtype", "
 def _parser():
   parser = argparse.ArgumentParser(prog=PROG, description=(
       "Validation loss, its standard error and perplexity of a trained fp4jax model."))
-  parser.add_argument("run", metavar="RUN",
-                      help="run directory, RUN/checkpoints/<step>, or an export folder")
-  parser.add_argument("--step", type=int, default=None,
-                      help="the run's checkpoint (default: the newest)")
+  trained_lib.add_arguments(parser)
   parser.add_argument("--data", default=None,
                       help="a glob of .txt or .jsonl files to evaluate on, all held out "
                       "(default: the run's validation data)")
-  parser.add_argument("--quant", default=trained_lib.RECIPE,
-                      help="the forward: 'recipe' (the run's, default; an export records "
-                      "none: bf16), 'bf16' (unquantized) or a preset's name")
   parser.add_argument("--batches", type=int, default=None,
                       help="evaluation batches (default: the run's eval_batches)")
   parser.add_argument("--batch_size", type=int, default=None,

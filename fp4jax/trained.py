@@ -33,6 +33,17 @@ from fp4jax.train import run_layout
 RECIPE, PLAIN = "recipe", "bf16"
 
 
+def add_arguments(parser):
+  """The arguments of a command that runs a Trained: RUN, --step, --quant."""
+  parser.add_argument("run", metavar="RUN",
+                      help="run directory, RUN/checkpoints/<step>, or an export folder")
+  parser.add_argument("--step", type=int, default=None,
+                      help="the run's checkpoint (default: the newest)")
+  parser.add_argument("--quant", default=RECIPE,
+                      help=f"the forward: {RECIPE!r} (the run's, default; an export records "
+                      f"none: {PLAIN}), {PLAIN!r} (unquantized) or a preset's name")
+
+
 @dataclasses.dataclass(frozen=True)
 class Trained:
   """One trained model.

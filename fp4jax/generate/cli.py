@@ -32,10 +32,7 @@ DEFAULT_NEW_TOKENS = 128
 def _parser():
   parser = argparse.ArgumentParser(prog=PROG, description=(
       "Text from a trained fp4jax model (a run, one of its checkpoints, or an export)."))
-  parser.add_argument("run", metavar="RUN",
-                      help="run directory, RUN/checkpoints/<step>, or an export folder")
-  parser.add_argument("--step", type=int, default=None,
-                      help="the run's checkpoint (default: the newest)")
+  trained_lib.add_arguments(parser)
   parser.add_argument("--prompt", action="append", default=[],
                       help="a prompt (repeat for a batch)")
   parser.add_argument("--prompt_file", default=None,
@@ -49,9 +46,6 @@ def _parser():
   parser.add_argument("--top_p", type=float, default=1.0, help="1 = every token (default)")
   parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
   parser.add_argument("--num_samples", type=int, default=1, help="rows per prompt")
-  parser.add_argument("--quant", default=trained_lib.RECIPE,
-                      help="the forward: 'recipe' (the run's, default; an export "
-                      "records none: bf16), 'bf16' (unquantized) or a preset's name")
   return parser
 
 
