@@ -18,13 +18,12 @@ from fp4jax import errors
 errors.exit_on_signals("fp4jax.audit", "during the audit; stopped.")
 
 from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging  # pylint: disable=g-import-not-at-top
 import ml_collections  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
-from fp4jax import audit  # pylint: disable=g-import-not-at-top
-from fp4jax.audit import report  # pylint: disable=g-import-not-at-top
 from fp4jax.train import cli  # pylint: disable=g-import-not-at-top
-from fp4jax.train import run_layout  # pylint: disable=g-import-not-at-top
 
 PROG = "fp4jax.audit"
 USAGE = f"usage: python -m {PROG} CONFIG.py-or-RUN_DIR [--config.KEY=VALUE ...]"
@@ -32,36 +31,46 @@ USAGE = f"usage: python -m {PROG} CONFIG.py-or-RUN_DIR [--config.KEY=VALUE ...]"
 
 def _run_config(run):
   """The ConfigDict a run directory was trained with (its config.json)."""
+  from fp4jax.train import run_layout  # pylint: disable=g-import-not-at-top
   saved, problem = run_layout.saved_config(run)
   if problem is not None:
-    raise errors.UserError(f"{run!r} is a folder but not a run: its "
+    raise errors.UserError(f"{run!r} is a folder but not an fp4jax run: its "
                            f"{run_layout.CONFIG} {problem}")
   return ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "resolved"})
 
 
 def define_config(argv):
-  """Defines the absl flag `config` from argv[1] (a config file or a run directory);
-  returns argv with that argument as --config=FILE (a file) or dropped (a run)."""
+  """Defines the absl flag `config` from argv[1] (a config file or a run directory)
+  and sets sys.argv to argv with that argument as --config=FILE (a file) or dropped
+  (a run), which config_flags reads its overrides from; returns that argv."""
   if len(argv) < 2 or argv[1].startswith("-"):
     raise errors.UserError(f"give a config file or a run directory first; {USAGE}")
   target, rest = argv[1], cli.expand_quant_flag(argv[2:])
   if os.path.isdir(target):
-    config_flags.DEFINE_config_dict("config", _run_config(target), "the run's config")
-    return [argv[0]] + rest
+    config = _run_config(target)
+    sys.argv = [argv[0]] + rest
+    config_flags.DEFINE_config_dict("config", config, "the run's config")
+    return sys.argv
   if not target.partition(":")[0].endswith(".py"):
     raise errors.UserError(f"{target!r} is neither a config file (.py) nor a run "
                            f"directory; {USAGE}")
-  argv = [argv[0], f"--config={target}"] + rest
-  cli.check_config_overrides(argv)
+  new = [argv[0], f"--config={target}"] + rest
+  cli.check_config_overrides(new)
+  sys.argv = new
   config_flags.DEFINE_config_file("config", target, "ml_collections config file")
-  return argv
+  return new
 
 
 def main(argv):
+  """absl's main: the audit of the flag `config`; 0, 1 (mismatches) or 2."""
+  from fp4jax import audit  # pylint: disable=g-import-not-at-top
+  from fp4jax.audit import report  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # no INFO lines about absent backends
   try:
-    audits = audit.audit_config(app.flags.FLAGS.config)
+    audits = audit.audit_config(flags.FLAGS.config)
   except errors.UserError as e:
     return errors.report(PROG, e)
   bad = 0
@@ -73,9 +82,16 @@ def main(argv):
   return 1 if bad else 0
 
 
-if __name__ == "__main__":
+def run(argv):
+  """The command: argv checked (bad input: one line, status 2) before JAX is
+  imported, then absl runs `main` (it exits with main's status)."""
   try:
-    sys.argv = define_config(sys.argv)
+    argv = define_config(argv)
   except errors.UserError as e:
-    sys.exit(errors.report(PROG, e))
-  app.run(main, flags_parser=cli.flags_parser(PROG))
+    return errors.report(PROG, e)
+  app.run(main, argv=argv, flags_parser=cli.flags_parser(PROG))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(run(sys.argv))
