@@ -233,7 +233,7 @@ def _mosaic_exact(m, k, n):
   args = [((m, k), jnp.float8_e4m3fn), ((n, k), jnp.float8_e4m3fn),
           ((k // hopper_gemm.BLOCK, m), jnp.float32), ((k // hopper_gemm.BLOCK, n), jnp.float32)]
   return (lambda a, b, sa, sb: hopper_gemm.matmul(a, b, sa, sb, interpret=False)), args, \
-      hopper_gemm.TILE
+      hopper_gemm.TILE[hopper_gemm.BLOCK]
 
 
 def _mosaic_fast(m, k, n):
@@ -245,7 +245,7 @@ def _mosaic_fast(m, k, n):
   args = [((m, k), jnp.float8_e4m3fn), ((n, k), jnp.float8_e4m3fn),
           ((k // chunk, m), jnp.float32), ((k // chunk, n), jnp.float32)]
   return (lambda a, b, sa, sb: hopper_gemm.matmul(a, b, sa, sb, interpret=False,
-                                                  block=chunk)), args, hopper_gemm.TILE
+                                                  block=chunk)), args, hopper_gemm.TILE[chunk]
 
 
 def _mosaic_fast_fp8(m, k, n):
@@ -255,7 +255,7 @@ def _mosaic_fast_fp8(m, k, n):
   from fp4jax.kernels import hopper_gemm  # pylint: disable=g-import-not-at-top
   args = [((m, k), jnp.float8_e4m3fn), ((n, k), jnp.float8_e5m2)]
   return (lambda a, b: hopper_gemm.matmul(a, b, interpret=False, block=hopper_gemm.CHUNK)), \
-      args, hopper_gemm.TILE
+      args, hopper_gemm.TILE[hopper_gemm.CHUNK]
 
 
 def _xla_bf16(m, k, n):

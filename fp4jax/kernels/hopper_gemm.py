@@ -14,6 +14,13 @@ scaled and added, in K order, as soon as its wgmma is done, while the later
 ones run. Without scales the partials are added as they are (per-tensor FP8:
 the caller applies the scales to C).
 
+The fast mode (block=CHUNK, fp4jax.backends.mosaic_fast): the same with one
+promotion per 128 elements of K: per step one chain of four K = 32 wgmmas
+accumulates a 128-chunk in the tensor core, and the scales are one per chunk
+(the 32-block scales folded into the elements by the caller). Its chunk sums
+are not exact on the GPU (the tensor core accumulates FP8 products in reduced
+precision); `reference` computes them in float32.
+
 Exactness: the products of one block of E2M1 values are multiples of 0.25 up
 to 36 in magnitude and their sum of 32 is at most 1152: exact in the tensor
 core's accumulator; a power-of-two scale (or a product of two E4M3 scales, for
@@ -48,10 +55,14 @@ from fp4jax.numerics import operand
 
 BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block scale
 CHUNK = 128  # the fast mode's elements along K per promotion: a chain of 4 wgmmas
-TILE = (64, 128)  # [tile_m, tile_n] of one compute warpgroup
-# Blocks per pipeline step, by block: one block's scaling overlaps the next's wgmma.
+# By block (elements of K per promotion): [tile_m, tile_n] of one compute warpgroup
+# (192 wide per 128-chunk: the scale loads and wgmma operand reads of shared memory
+# stay below the tensor cores' time, fp4jax.bench.sass_loops), blocks per pipeline
+# step (per 32: one block's scaling overlaps the next's wgmma) and the pipeline's
+# shared-memory slots (what fits beside the float32 output tile).
+TILE = {BLOCK: (64, 128), CHUNK: (64, 192)}
 STEP_BLOCKS = {BLOCK: 2, CHUNK: 1}
-STAGES = 4  # shared-memory slots of the TMA pipeline
+STAGES = {BLOCK: 4, CHUNK: 3}
 MIN_JAX = (0, 11)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -139,7 +150,7 @@ def _kernel(a_gmem, b_gmem, *rest, k_steps, tile_m, tile_n, scaled, stages, bloc
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tile", "stages", "block"))
-def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, stages=STAGES,
+def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, stages=None,
            block=BLOCK):
   """C[M, N] float32 = sum over K-blocks j of (A_j B_j^T) * a_scales[j] b_scales[j]^T.
 
@@ -148,7 +159,8 @@ def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, sta
   of K per promotion, BLOCK (32: one wgmma per block, the exact mode) or CHUNK
   (128: a chain of four wgmmas accumulating in the tensor core, the fast mode).
   tile: (tile_m, tile_n) of one compute warpgroup (tile_m a multiple of 64,
-  tile_n of 8, at most 256).
+  tile_n of 8, at most 256; default TILE[block]); stages: the pipeline's
+  shared-memory slots (default STAGES[block]).
   """
   plgpu = _plgpu()
   (m, k), (n, k2) = a.shape, b.shape
@@ -163,7 +175,8 @@ def matmul(a, b, a_scales=None, b_scales=None, *, interpret=None, tile=None, sta
     raise ValueError(f"block scales must be [K/{block}, M] and [K/{block}, N] or both None; "
                      f"got {None if a_scales is None else a_scales.shape} and "
                      f"{None if b_scales is None else b_scales.shape} for M, N, K = {m, n, k}")
-  tm, tn = tile or TILE
+  tm, tn = tile or TILE[block]
+  stages = stages or STAGES[block]
   pm, pn = target.whole_tiles(m, 2 * tm), target.whole_tiles(n, tn)
   step_blocks = STEP_BLOCKS[block]
   step_k = step_blocks * block  # K zero-padded to whole steps: zero blocks add zero
