@@ -49,7 +49,8 @@ GPU_COMPILE_VENV ?= .venv-gpu-compile
 
 test-gpu-compile:
 	$(MAKE) install PYTHON=$(PYTHON) VENV=$(GPU_COMPILE_VENV) EXTRAS=test,gpu-compile
-	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load --max-worker-restart=0 tests/test_gpu_compile.py
+	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load --max-worker-restart=0 tests/test_gpu_compile.py \
+	  tests/test_sass_loops.py
 
 clean:
 	rm -rf .venv .venv-* runs
