@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test
 WORKDIR ?= runs/demo
 
-.PHONY: train test test-fast test-maxtext test-gpu-compile install clean
+.PHONY: train test test-fast test-maxtext test-gpu-compile test-llamacpp install clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,18 @@ test-gpu-compile:
 	$(MAKE) install PYTHON=$(PYTHON) VENV=$(GPU_COMPILE_VENV) EXTRAS=test,gpu-compile
 	$(GPU_COMPILE_VENV)/bin/python -m pytest -q -n 2 --dist load --max-worker-restart=0 tests/test_gpu_compile.py \
 	  tests/test_sass_loops.py
+
+# llama.cpp itself on fp4jax's GGUF exports (tests/test_llamacpp.py): its own
+# environment with the llamacpp extra, whose llama-cpp-python builds llama.cpp
+# from source with cmake (minutes on 2 cores the first time; pip caches the
+# wheel). LLAMACPP_CMAKE_ARGS leaves out the multimodal library it does not need.
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+
+test-llamacpp:
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(MAKE) install PYTHON=$(PYTHON) VENV=$(LLAMACPP_VENV) \
+	  EXTRAS=test,llamacpp
+	$(LLAMACPP_VENV)/bin/python -m pytest -q -p no:xdist tests/test_llamacpp.py
 
 clean:
 	rm -rf .venv .venv-* runs

@@ -6,6 +6,7 @@ one another.
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -192,6 +193,63 @@ def run_with_recipe(trained, run_dir, name):
   with open(path, "w") as f:
     json.dump(config, f)
   return run_dir
+
+
+def export_run(run_dir):
+  """(LlamaConfig, recipe of the last step, params) of a run trained by
+  train_export_run (its checkpoint at EXPORT_STEPS)."""
+  from fp4jax.llama import hf as hf_llama  # pylint: disable=import-outside-toplevel
+  from fp4jax.train import export, export_fp4  # pylint: disable=import-outside-toplevel
+  config, cfg = export.run_config(run_dir)
+  params = checkpointing.restore_params(os.path.join(run_dir, "checkpoints"),
+                                        EXPORT_STEPS, hf_llama.abstract_params(cfg))
+  return cfg, export_fp4.run_recipe(config, EXPORT_STEPS), params
+
+
+@functools.lru_cache(maxsize=None)
+def forward_weight_operands(run_dir):
+  """{hf module name: the Fprop weight operand of block 1's layers, [out, in]}
+  of an export_run
+
+  as (values float32, per-tensor factor or None): values * factor is what
+  the trained forward multiplies, dequantized in float32. The model itself
+  gives it: its DotGeneral modules sow the kernel they receive, and
+  fp4jax.dot's own operand preparation (flatten, rotate, quantize; the xla
+  backend) gives what Fprop multiplies. Computed once per run (not to be
+  modified).
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from fp4jax import dot  # pylint: disable=import-outside-toplevel
+  from fp4jax.llama import linears  # pylint: disable=import-outside-toplevel
+  from fp4jax.llama import model as model_lib  # pylint: disable=import-outside-toplevel
+  cfg, recipe, params = export_run(run_dir)
+  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
+
+  @jax.jit  # one program: op by op, the forward compiles hundreds
+  def operands(params):
+    _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
+                          mutable=["intermediates", "perturbations"],
+                          rngs={"quant": jax.random.key(0)})
+    out = {}
+    for layer in linears.BLOCK:
+      node = sown["intermediates"]["block_1"]
+      for key in layer.path.split("/"):
+        node = node[key]
+      rhs = node["DotGeneral_0"]["rhs"][0]
+      op, _, _ = dot._quantized(  # pylint: disable=protected-access
+          backends.module("xla"), rhs, tuple(range(layer.n_in)), False,
+          recipe.fprop.rhs, recipe.fprop.hadamard, None, None,
+          jnp.dtype(recipe.compute_dtype))
+      out[f"model.layers.1.{layer.hf_name[:-len('.weight')]}"] = (op.values,
+                                                                  op.factor)
+    return out
+
+  out = {}
+  for module, (values, factor) in operands(params).items():
+    values = np.asarray(values, np.float32)
+    factor = None if factor is None else np.float32(factor)
+    out[module] = values.reshape(values.shape[0], -1).T, factor
+  return out
 
 
 def cli(*args):

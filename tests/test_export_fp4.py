@@ -12,7 +12,6 @@ quantize; the xla backend) gives what Fprop multiplies.
 """
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -29,9 +28,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 import fp4jax
-from fp4jax import backends
-from fp4jax import checkpointing
-from fp4jax import dot
 from fp4jax import recipes
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
@@ -45,6 +41,8 @@ from tests.helpers import EXPORT_STEPS as STEPS
 from tests.helpers import cli as _cli
 from tests.helpers import edited_config as _edited_config
 from tests.helpers import export_config as _config
+from tests.helpers import export_run as _run
+from tests.helpers import forward_weight_operands as _forward_operands
 from tests.helpers import init_from_refused as _init_from_refused
 from tests.helpers import poke as _poke
 from tests.helpers import refused as _refused
@@ -99,52 +97,6 @@ def exports(runs, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ct") / name)
     out[name] = directory, export.export(runs[name], directory, quantize=fmt,
                                          fused_scale="per-projection")
-  return out
-
-
-def _run(run_dir):
-  """(LlamaConfig, recipe of the last step, params) of a run."""
-  config, cfg = export.run_config(run_dir)
-  params = checkpointing.restore_params(os.path.join(run_dir, "checkpoints"),
-                                        STEPS, hf_llama.abstract_params(cfg))
-  return cfg, export_fp4.run_recipe(config, STEPS), params
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_operands(run_dir):
-  """{hf module name: the Fprop weight operand of block 1's layers, [out, in]}
-
-  as (values float32, per-tensor factor or None): values * factor is what
-  the trained forward multiplies, dequantized in float32. Computed once per
-  run (not to be modified).
-  """
-  cfg, recipe, params = _run(run_dir)
-  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
-
-  @jax.jit  # one program: op by op, the forward compiles hundreds
-  def operands(params):
-    _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
-                          mutable=["intermediates", "perturbations"],
-                          rngs={"quant": jax.random.key(0)})
-    out = {}
-    for layer in linears.BLOCK:
-      node = sown["intermediates"]["block_1"]
-      for key in layer.path.split("/"):
-        node = node[key]
-      rhs = node["DotGeneral_0"]["rhs"][0]
-      op, _, _ = dot._quantized(  # pylint: disable=protected-access
-          backends.module("xla"), rhs, tuple(range(layer.n_in)), False,
-          recipe.fprop.rhs, recipe.fprop.hadamard, None, None,
-          jnp.dtype(recipe.compute_dtype))
-      out[f"model.layers.1.{layer.hf_name[:-len('.weight')]}"] = (op.values,
-                                                                  op.factor)
-    return out
-
-  out = {}
-  for module, (values, factor) in operands(params).items():
-    values = np.asarray(values, np.float32)
-    factor = None if factor is None else np.float32(factor)
-    out[module] = values.reshape(values.shape[0], -1).T, factor
   return out
 
 

@@ -7,32 +7,27 @@ from ggml's block layouts (ggml-common.h: block_mxfp4, block_nvfp4;
 ggml-quants.c: dequantize_row_*) and compared with the trained forward's
 Fprop weight operand, taken from the model itself: its DotGeneral modules
 sow the kernel they receive, and fp4jax.dot's own operand preparation gives
-what Fprop multiplies. llama.cpp itself loads the files in
-tests/test_llamacpp.py.
+what Fprop multiplies (tests/helpers.forward_weight_operands). llama.cpp
+itself loads the files in tests/test_llamacpp.py.
 """
 
-import dataclasses
-import functools
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fp4jax
-from fp4jax import backends
-from fp4jax import checkpointing
-from fp4jax import dot
 from fp4jax.llama import hf as hf_llama
 from fp4jax.llama import linears
 from fp4jax.llama import model as model_lib
 from fp4jax.train import export
-from fp4jax.train import export_fp4
 from fp4jax.train import export_gguf
 from tests.helpers import EXPORT_STEPS as STEPS
 from tests.helpers import cli
+from tests.helpers import export_run
+from tests.helpers import forward_weight_operands
 from tests.helpers import main_in_process
 from tests.helpers import refused
 from tests.helpers import refused_in_process
@@ -53,21 +48,12 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  run_dir = str(tmp_path_factory.mktemp("run"))
-  train_export_run(run_dir)
-  return run_dir
-
-
-@pytest.fixture(scope="module")
-def runs(trained, tmp_path_factory):
-  """recipe name -> a run directory whose config.json records that recipe."""
-  out = {}
-  for name in list(EXACT) + ["mxfp4-dh16", "bf16"]:
-    run_dir = str(tmp_path_factory.mktemp(name))
-    shutil.rmtree(run_dir)
-    out[name] = run_with_recipe(trained, run_dir, name)
-  return out
+def runs(tmp_path_factory):
+  """recipe name -> a copy of one trained run whose config.json records that recipe."""
+  trained = str(tmp_path_factory.mktemp("trained"))
+  train_export_run(trained)
+  return {name: run_with_recipe(trained, str(tmp_path_factory.mktemp(name) / "run"), name)
+          for name in [*EXACT, "mxfp4-dh16", "bf16"]}
 
 
 @pytest.fixture(scope="module")
@@ -81,41 +67,11 @@ def exports(runs, tmp_path_factory):
   return out
 
 
-def _run(run_dir):
-  """(LlamaConfig, recipe of the last step, params) of a run."""
-  config, cfg = export.run_config(run_dir)
-  params = checkpointing.restore_params(os.path.join(run_dir, "checkpoints"), STEPS,
-                                        hf_llama.abstract_params(cfg))
-  return cfg, export_fp4.run_recipe(config, STEPS), params
-
-
-@functools.lru_cache(maxsize=None)
 def _forward_weights(run_dir):
   """{"attn_q", ...: (block 1's Fprop weight operand values, float32 [out, in]
   in Hugging Face's order, its per-tensor factor or None)}."""
-  cfg, recipe, params = _run(run_dir)
-  llama = model_lib.Llama(dataclasses.replace(cfg, capture_dots=True), recipe)
-
-  @jax.jit
-  def operands(params):
-    _, sown = llama.apply({"params": params}, jnp.zeros((1, 8), jnp.int32),
-                          mutable=["intermediates", "perturbations"],
-                          rngs={"quant": jax.random.key(0)})
-    out = {}
-    for layer in linears.BLOCK:
-      node = sown["intermediates"]["block_1"]
-      for key in layer.path.split("/"):
-        node = node[key]
-      op, _, _ = dot._quantized(  # pylint: disable=protected-access
-          backends.module("xla"), node["DotGeneral_0"]["rhs"][0],
-          tuple(range(layer.n_in)), False, recipe.fprop.rhs, recipe.fprop.hadamard,
-          None, None, jnp.dtype(recipe.compute_dtype))
-      out[GGUF_NAMES[layer.hf_name[:-len(".weight")]]] = op.values, op.factor
-    return out
-
-  return {name: (np.asarray(v, np.float32).reshape(v.shape[0], -1).T,
-                 None if f is None else np.float32(f))
-          for name, (v, f) in operands(params).items()}
+  return {GGUF_NAMES[module.split(".", 3)[-1]]: operand
+          for module, operand in forward_weight_operands(run_dir).items()}
 
 
 # --- an independent decoder of ggml's blocks ----------------------------------
@@ -205,7 +161,7 @@ def test_gguf_holds_the_trained_forwards_weights_bit_for_bit(runs, exports, name
 def test_dense_tensors_are_the_forwards_own(runs, exports):
   """Block 0 (kept in bf16), the embedding and the head in the run's compute
   dtype (bfloat16: its forward read them so), norms and rope_freqs float32."""
-  cfg, _, params = _run(runs["mxfp4"])
+  cfg, _, params = export_run(runs["mxfp4"])
   tensors = _tensors(exports["mxfp4"][0])
   bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
   q0 = tensors["blk.0.attn_q.weight"]
@@ -275,7 +231,7 @@ def test_rotated_fprop_is_requantized_unrotated_and_says_so(runs, exports):
   path, lines = exports["mxfp4-dh16"]
   assert "rotates Fprop (Hadamard block 16" in lines[1] and "after training" in lines[1]
   assert _fields(path)["fp4jax.weights"] == lines[1]
-  cfg, recipe, params = _run(runs["mxfp4-dh16"])
+  cfg, recipe, params = export_run(runs["mxfp4-dh16"])
   kernel = params["block_1"]["mlp"]["up"]["kernel"].astype(jnp.bfloat16)
   want = fp4jax.quantize(kernel, recipe.fprop.rhs, axis=0).dequantize(jnp.float32)
   np.testing.assert_array_equal(_decoded(_tensors(path)["blk.1.ffn_up.weight"]),
@@ -334,7 +290,7 @@ def test_a_failed_write_leaves_the_old_file(runs, exports, tmp_path, monkeypatch
 
 def test_nvfp4_needs_rows_of_whole_super_blocks(runs):
   """llama.cpp's NVFP4 packs 64 inputs a block: 48 inputs are refused."""
-  cfg, recipe, _ = _run(runs["nvfp4"])
+  cfg, recipe, _ = export_run(runs["nvfp4"])
   p = export_gguf.plan(recipe, "nvfp4")
   refused_in_process(lambda: export_gguf._fp4_tensors(  # pylint: disable=protected-access
       cfg, "blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight",
