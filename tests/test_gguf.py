@@ -308,3 +308,12 @@ def test_nvfp4_needs_rows_of_whole_super_blocks(runs):
     (["export", "--help"], False)])
 def test_the_gguf_route_is_taken_for_an_out_ending_in_gguf(argv, gguf_out):
   assert export_gguf.is_gguf(argv) == gguf_out
+
+
+def test_without_the_gguf_package_the_export_says_which_extra(runs, tmp_path, monkeypatch):
+  find_spec = export_gguf.gguf.importlib.util.find_spec
+  monkeypatch.setattr(export_gguf.gguf.importlib.util, "find_spec",
+                      lambda name: None if name == "gguf" else find_spec(name))
+  refused_in_process(lambda: export_gguf.export_gguf(
+      runs["mxfp4"], str(tmp_path / "m.gguf"), quantize="mxfp4"), "fp4jax[gguf]")
+  assert not os.listdir(tmp_path)

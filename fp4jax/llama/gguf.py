@@ -29,6 +29,8 @@ only there), the block bytes given raw. Bad input raises ConvertError (one
 line).
 """
 
+import importlib.util
+
 import numpy as np
 
 from fp4jax.llama.hf import ConvertError
@@ -178,6 +180,13 @@ def _pre_tokenizer(pre, has_merges):
     return "default"
   raise ConvertError(f"the tokenizer's pre-tokenizer {kinds} is neither Llama 3's "
                      "nor GPT-2's, which llama.cpp would split differently")
+
+
+def check_writer():
+  """ConvertError (one line) when the `gguf` package is not installed."""
+  if importlib.util.find_spec("gguf") is None:
+    raise ConvertError("writing a GGUF file needs the gguf package: pip install "
+                       "'fp4jax[gguf]'")
 
 
 def write(path, name, hparams, vocab, tensors, extra):

@@ -93,6 +93,7 @@ def export_gguf(run_dir, out, *, quantize=None, step=None, dtype=None, overwrite
                        f"{list(gguf.BLOCKS)}")
   if dtype is not None and dtype not in DENSE:
     raise ConvertError(f"--dtype {dtype!r}; allowed: {list(DENSE)}")
+  gguf.check_writer()
   out = run_layout.output_path(out, "OUT")
   _check_target(out, overwrite)
   try:
