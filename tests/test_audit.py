@@ -70,6 +70,11 @@ def test_default_config_lists_every_linear_per_role_in_the_recipes_formats():
           assert op.quant == {spec} and not op.raw
           assert op.rotations == {(16, "none")}
         assert report.operand_text(row.lhs) == "mxfp4 b32 E8M0-even RNE, H16 (none signs)"
+        # W is the layer's kernel in Fprop and Dgrad (its rhs), in no operand of Wgrad
+        keys = "".join(f"['{name}']" for name in f"block_{block}/{path}/kernel".split("/"))
+        kernel = ("input", f"[0].params{keys}")
+        reads_w = [op.data == {kernel} for op in (row.lhs, row.rhs)]
+        assert reads_w == ([False, False] if role == "wgrad" else [False, True]), (path, role)
   # attention's products and the head stay in the compute dtype, and say so
   for layer in ("block_0/attn/qk", "block_0/attn/pv", "head"):
     assert {r.role for r in rows if r.layer == layer} == {"Fprop", "Dgrad", "Wgrad"}
@@ -78,18 +83,41 @@ def test_default_config_lists_every_linear_per_role_in_the_recipes_formats():
   assert len(rows) == 2 * (7 + 2) * 3 + 3
 
 
-@pytest.mark.parametrize("recipe, quantized", [("bf16", None), ("fp8", "fp8"),
-                                               ("mxfp4", "mxfp4"), ("mxfp4-dh16", "mxfp4")])
-def test_flop_shares_match_a_hand_count(recipe, quantized):
+@pytest.mark.parametrize("recipe, of_linears", [
+    ("bf16", {}), ("fp8", {"fp8": 1}), ("mxfp4", {"mxfp4": 1}), ("mxfp4-dh16", {"mxfp4": 1}),
+    ("mxfp4-fprop-dgrad", {"mxfp4": 2 / 3, "fp8": 1 / 3})])
+def test_flop_shares_match_a_hand_count(recipe, of_linears):
+  """of_linears: each quantized precision's share of the linears' FLOPs (the rest,
+  attention's products and the head, run unquantized in bf16 or f32)."""
   config = _config(recipe)
   rows = _rows(config)
   linear, total = _hand_count(_model_cfg(config), config)
   assert sum(r.flops for r in rows) == total
   shares = report.flop_shares(rows)
-  if quantized is None:
-    assert set(shares) <= {"bf16", "f32"}
-  else:
-    assert shares[quantized] == pytest.approx(linear / total, abs=1e-12)
+  assert set(shares) - set(of_linears) <= {"bf16", "f32"}
+  for precision, fraction in of_linears.items():
+    assert shares[precision] == pytest.approx(fraction * linear / total, abs=1e-12)
+  assert not any(r.mismatch for r in rows)
+
+
+def test_micro_batches_count_every_iteration_of_their_scan():
+  config = _config("mxfp4")
+  config.micro_batch = 4
+  rows = _rows(config)
+  linear, total = _hand_count(_model_cfg(config), config)
+  assert sum(r.flops for r in rows) == total
+  assert report.flop_shares(rows)["mxfp4"] == pytest.approx(linear / total, abs=1e-12)
+
+
+@pytest.mark.parametrize("recipe, signs", [("mxfp4-rh16", "per-step"),
+                                           ("mxfp4-lh16", "per-layer"),
+                                           ("mxfp4-fh16", "fixed")])
+def test_hadamard_sign_policies_are_read_from_the_trace(recipe, signs):
+  rows = _rows(_config(recipe))
+  linear_rows = [r for r in rows if r.layer.split("/", 1)[-1] in LINEARS]
+  assert len(linear_rows) == 7 * 3
+  for r in linear_rows:
+    assert r.lhs.rotations == r.rhs.rotations == {(16, signs)}, (r.layer, r.role)
   assert not any(r.mismatch for r in rows)
 
 
