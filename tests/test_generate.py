@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+import fp4jax
 from fp4jax import generate
 from fp4jax import trained
 from fp4jax.generate import cli
@@ -67,6 +68,21 @@ def test_cached_decode_is_the_uncached_forwards_argmax(run, quant):
     argmax = np.asarray(forward(whole)).argmax(-1)[0, len(prompt) - 1:]
     ended = [model.tokenizer.eos_id] if len(tokens) < new else []  # stopped at EOS
     assert argmax[:len(tokens) + len(ended)].tolist() == tokens + ended, (prompt, tokens, argmax)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_two_blocks_scanned_or_not_decode_as_their_forward(scan_layers):
+  cfg = model_lib.model_config("tiny", vocab_size=64, dim=64, n_layers=2, n_heads=2,
+                               n_kv_heads=1, mlp_dim=64, scan_layers=scan_layers)
+  recipe = fp4jax.recipe("mxfp4")
+  llama = model_lib.Llama(cfg, recipe)
+  prompts = [[1, 2, 3, 4, 5], [6, 7]]
+  params = llama.init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+  new = generate.generate(cfg, recipe, params, prompts, max_new_tokens=6, sampling=GREEDY,
+                          seed=0, eos_id=-1).tokens
+  for prompt, tokens in zip(prompts, new):
+    argmax = np.asarray(llama.apply({"params": params}, np.array([prompt + tokens]))).argmax(-1)
+    assert argmax[0, len(prompt) - 1:-1].tolist() == tokens
 
 
 def test_a_row_decodes_the_same_alone_and_in_a_batch(run):

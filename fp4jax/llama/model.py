@@ -425,14 +425,17 @@ def init_cache(config: LlamaConfig, start_B, max_length: int):
   compute dtype (zeros), next (int32: the next slot to fill, 0) and start
   (int32 [B]); under scan_layers each with a leading layers axis.
   """
-  start_B = jnp.asarray(start_B, jnp.int32)
+  start_B = np.asarray(start_B, np.int32)
   kv = (start_B.shape[0], max_length, config.n_kv_heads, config.head_dim)
-  layer = dict(keys=jnp.zeros(kv, config.dtype), values=jnp.zeros(kv, config.dtype),
-               next=jnp.zeros((), jnp.int32), start=start_B)
+
+  def layer(*layers):  # new arrays for each: a step donates (reuses) their buffers
+    return dict(keys=jnp.zeros(layers + kv, config.dtype),
+                values=jnp.zeros(layers + kv, config.dtype),
+                next=jnp.zeros(layers, jnp.int32),
+                start=jnp.asarray(np.broadcast_to(start_B, layers + start_B.shape)))
   if config.scan_layers:
-    stacked = jax.tree.map(lambda x: jnp.stack([x] * config.n_layers), layer)
-    return {"blocks": {"attn": stacked}}
-  return {f"block_{i}": {"attn": dict(layer)} for i in range(config.n_layers)}
+    return {"blocks": {"attn": layer(config.n_layers)}}
+  return {f"block_{i}": {"attn": layer()} for i in range(config.n_layers)}
 
 
 def _causal_gqa(q_BxLxHxD, k_BxSxKxD, v_BxSxKxD, qk_dot, pv_dot, visible_BxLxS=None):
