@@ -11,7 +11,8 @@ adds `partial * a_scale[m] * b_scale[n]` to the float32 output it carries
 (DeepGEMM's promotion of FP8 partial sums, here per block). A pipeline step
 holds STEP_BLOCKS blocks: their wgmmas are issued together and each partial is
 scaled and added, in K order, as soon as its wgmma is done, while the later
-ones run. Without scales the partials are added as they are (per-tensor FP8:
+ones run (and the other compute warpgroup's wgmmas run while one scales).
+Without scales the partials are added as they are (per-tensor FP8:
 the caller applies the scales to C).
 
 The fast mode (block=CHUNK, fp4jax.backends.mosaic_fast): the same with one
@@ -55,13 +56,17 @@ from fp4jax.numerics import operand
 
 BLOCK = 32  # elements along K per wgmma (FP8 wgmma has K = 32) and per block scale
 CHUNK = 128  # the fast mode's elements along K per promotion: a chain of 4 wgmmas
-# By block (elements of K per promotion): [tile_m, tile_n] of one compute warpgroup
-# (192 wide per 128-chunk: the scale loads and wgmma operand reads of shared memory
-# stay below the tensor cores' time, fp4jax.bench.sass_loops), blocks per pipeline
-# step (per 32: one block's scaling overlaps the next's wgmma) and the pipeline's
-# shared-memory slots (what fits beside the float32 output tile).
+# By block (elements of K per promotion), read with fp4jax.bench.sass_loops:
+# [tile_m, tile_n] of one compute warpgroup (192 wide per 128-chunk: shared-memory
+# reads, the scales' and the wgmmas' operands, stay below the tensor cores' time;
+# it needs the 220 registers setmaxnreg gives a compute warpgroup); blocks per
+# pipeline step (1 per 32: two live float32 accumulators, the output and one
+# partial, 157 registers, so nothing spills even where ptxas ignores setmaxnreg;
+# 2 would overlap one block's scaling with the next's wgmma in the same
+# warpgroup, at 220 registers); the pipeline's shared-memory slots (what fits
+# beside the float32 output tile).
 TILE = {BLOCK: (64, 128), CHUNK: (64, 192)}
-STEP_BLOCKS = {BLOCK: 2, CHUNK: 1}
+STEP_BLOCKS = {BLOCK: 1, CHUNK: 1}
 STAGES = {BLOCK: 4, CHUNK: 3}
 MIN_JAX = (0, 11)  # Mosaic GPU with mixed E4M3 / E5M2 wgmma and its CPU interpreter
 FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
