@@ -15,7 +15,7 @@ schedule (precision that changes during a run), sharding (mesh and axis
 rules), shard_local (kernel backends per device's shard), checkpointing (orbax), records (the JSON files read back), errors
 (one-line user errors); llama/ (the model), data/, train/ (the trainer),
 experiments/ (studies), bench/ (benchmarks), maxtext/; command lines: convert
-(export / import) and plot.
+(export / import), plot, generate, evaluate and audit.
 
 Submodules are imported on first use, so `import fp4jax` stays light and the
 numerics never pull in Flax; `dir(fp4jax)` (what tab completion reads) lists the

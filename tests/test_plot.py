@@ -142,7 +142,7 @@ def test_the_difference_panel_is_each_run_minus_the_baseline(tmp_path):
   np.testing.assert_allclose(lines["mxfp4"].get_ydata(), [0.1, 0.05, 0.06, 0.03], atol=1e-12)
   np.testing.assert_allclose(lines["fp8"].get_xdata(), [2000, 4000])  # tokens both evaluated
   np.testing.assert_allclose(lines["fp8"].get_ydata(), [2.9 - 2.5, 2.45 - 2.0], atol=1e-12)
-  assert diff_ax.get_ylabel() == "minus bf16"
+  assert diff_ax.get_ylabel() == "validation loss minus bf16"
 
 
 def test_bands_come_from_the_logged_standard_errors(tmp_path):
@@ -234,6 +234,8 @@ def test_main_prints_the_final_differences(tmp_path, capsys):
                                 "{tmp}/b); name one of them"),
     (["--from_tokens", "-5"], "--from_tokens -5.0 is negative; give 0 or more"),
     (["--all", "--from_tokens", "5"], "argument --from_tokens: not allowed with argument --all"),
+    (["--from_tokens", "1e6"], "--from_tokens 1e+06 leaves no evaluation to draw: the runs' "
+                               "last is at 1,000 tokens"),
     (["--labels", "x"], "1 labels for 2 runs"),
 ])
 def test_bad_options_are_one_line_and_exit_2(tmp_path, capsys, argv, message):

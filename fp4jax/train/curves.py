@@ -270,7 +270,7 @@ def figure(curves, labels, baseline=None, from_tokens=0.0, train_loss=False, tit
       keep = (x >= from_tokens) & ((x > 0) | (from_tokens <= 0))
       ax.plot(x[keep], d[keep], color=colors(k % 10), marker="o", ms=3, lw=1.4, label=label)
       _band(ax, x[keep], d[keep], half_width(se[keep], batches[keep]), colors(k % 10))
-    ax.set_ylabel(f"minus {labels[baseline]}")
+    ax.set_ylabel(f"validation loss minus {labels[baseline]}")
     ax.set_title("difference from the baseline, 95% bands (paired over the validation batches)",
                  fontsize=9)
     ax.legend(fontsize=8)
@@ -331,6 +331,10 @@ def plot_runs(workdirs, out, labels=None, title=None, baseline=None, from_tokens
     raise errors.UserError(f"--from_tokens {from_tokens} is negative; give 0 or more")
   index = None if baseline is None else _baseline_index(workdirs, baseline)
   curves = [read_curve(w) for w in workdirs]
+  last = max(c.tokens[-1] for c in curves)
+  if from_tokens is not None and from_tokens > last:
+    raise errors.UserError(f"--from_tokens {from_tokens:g} leaves no evaluation to draw: the "
+                           f"runs' last is at {last:,.0f} tokens")
   fig = figure(curves, labels, index, first_shown(curves, from_tokens), train_loss, title)
   image = io.BytesIO()
   fig.savefig(image, dpi=120, format=os.path.splitext(out)[1][1:].lower())
