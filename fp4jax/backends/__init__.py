@@ -45,7 +45,10 @@ one block-scaled GEMM, jax.nn.scaled_matmul or lax.scaled_dot by format;
 needs jax >= 0.11) and `mosaic` (FP8 values, E2M1 held as E4M3, into
 fp4jax.kernels.hopper_gemm, a Pallas Mosaic GPU kernel for Hopper's FP8
 tensor cores that scales each 32-element block's partial product; needs
-jax >= 0.11, picked by `auto` on jax >= 0.12). A new backend is one module here plus its name in NAMES.
+jax >= 0.11, picked by `auto` on jax >= 0.12) and `mosaic_fast` (mosaic's
+quantization, one promotion per 128 elements of K: MXFP4's block scales folded
+into E4M3 elements; not bit-exact on a GPU; never picked by `auto`). A new
+backend is one module here plus its name in NAMES.
 
 `resolve(name)` turns "auto" into a backend name for the default device;
 `for_gemm(name, gemm)` returns the module that runs a GEMM; `check_recipe`
