@@ -10,6 +10,8 @@ path through XLA's GPU compiler, without a GPU), gpu_shards (a Dense layer
 sharded over 8 GPUs through that compiler: the tokens each kernel reads),
 gpu_fit (a config's train step compiled for N GPUs on H hosts without them:
 memory per device against the GPU's, FLOPs, collectives, kernels),
+sass_loops (each Hopper GEMM kernel's main loop read from its SASS without a
+GPU: instruction mix, spills and the ceiling against bf16's peak),
 study_throughput (a study's
 runs per hour, one at a time vs side by side). Helpers: hlo_stats (kernel
 counts of optimized HLO), gpu_binary (tensor-core instructions read from a
