@@ -30,13 +30,29 @@ USAGE = f"usage: python -m {PROG} CONFIG.py-or-RUN_DIR [--config.KEY=VALUE ...]"
 
 
 def _run_config(run):
-  """The ConfigDict a run directory was trained with (its config.json)."""
+  """The ConfigDict a run directory was trained with: its config.json over
+  base_config(), so that every key keeps its type for --config overrides."""
+  from fp4jax.train import config as train_config  # pylint: disable=g-import-not-at-top
   from fp4jax.train import run_layout  # pylint: disable=g-import-not-at-top
   saved, problem = run_layout.saved_config(run)
   if problem is not None:
     raise errors.UserError(f"{run!r} is a folder but not an fp4jax run: its "
                            f"{run_layout.CONFIG} {problem}")
-  return ml_collections.ConfigDict({k: v for k, v in saved.items() if k != "resolved"})
+  config = train_config.base_config()
+  _merge(config, {k: v for k, v in saved.items() if k != "resolved"})
+  return config
+
+
+def _merge(config, saved):
+  """config's keys set to saved's values: None (a placeholder) and keys config lacks
+  are left out, lists become tuples (what JSON made of them)."""
+  for key, value in saved.items():
+    if key not in config or value is None:
+      continue
+    if isinstance(value, dict) and isinstance(config[key], ml_collections.ConfigDict):
+      _merge(config[key], value)
+    else:
+      config[key] = tuple(value) if isinstance(value, list) else value
 
 
 def define_config(argv):

@@ -220,12 +220,13 @@ def audit(gemms, model_cfg, recipe, switch_wgrad_to=None):
 
 
 def flop_shares(rows) -> dict:
-  """{precision class: fraction of the step's GEMM FLOPs}, largest first."""
+  """{precision class: fraction of the step's GEMM FLOPs}, largest first (a class
+  with no FLOPs, as the adaptive switch's branch has, left out)."""
   total = sum(r.flops for r in rows) or 1
   by = collections.Counter()
   for r in rows:
     by[r.precision] += r.flops
-  return dict(sorted(((k, v / total) for k, v in by.items()), key=lambda kv: -kv[1]))
+  return dict(sorted(((k, v / total) for k, v in by.items() if v), key=lambda kv: -kv[1]))
 
 
 def summary(rows) -> str:

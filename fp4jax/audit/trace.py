@@ -148,7 +148,7 @@ def _scopes(name_stack):
 
 def module_path(name_stack) -> str:
   """The Flax module path of a GEMM's name stack: from the block (or "head")
-  on, without the DotGeneral module, the quantizer scopes and remat's."""
+  on, up to the DotGeneral module, without the quantizer scopes and remat's."""
   names = [n for n in _scopes(name_stack)
            if not n.startswith(formats.QUANTIZE_SCOPE) and n != "rematted_computation"]
   for i, n in enumerate(names):
@@ -157,7 +157,10 @@ def module_path(name_stack) -> str:
       break
   else:
     names = [n for n in names if n not in ("Llama",)]
-  names = [n for n in names if not n.startswith("DotGeneral")]
+  for i, n in enumerate(names):  # the scopes inside the DotGeneral module are its own
+    if n.startswith("DotGeneral"):
+      names = names[:i]
+      break
   return "/".join(names) or "(top level)"
 
 
