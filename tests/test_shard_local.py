@@ -35,7 +35,7 @@ MESHES = {"data": ((8, 1, 1), "column"), "fsdp": ((1, 8, 1), "column"),
           "tensor": ((1, 2, 4), "row"), "2x2x2": ((2, 2, 2), "column")}
 SPECS = {"column": (P(TOKENS, None, None), P("fsdp", "tensor")),
          "row": (P(TOKENS, None, "tensor"), P("tensor", "fsdp"))}
-CPU_BACKENDS = ("xla", "pallas", "mosaic")
+CPU_BACKENDS = ("xla", "pallas", "mosaic", "mosaic_fast")
 
 
 def _mesh(sizes):
