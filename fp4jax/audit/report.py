@@ -128,23 +128,21 @@ def _kernel(gemm) -> str:
   return f"{gemm.prim} {dt(gemm.lhs.dtype)}x{dt(gemm.rhs.dtype)}->{dt(gemm.out_dtype)}"
 
 
-def _names(gemms):
-  """{id(gemm): layer name}: the module path, attention's plain products named
-  qk and pv (the forward GEMM whose lhs is built from the other's output is PV)."""
-  names = {id(g): g.path for g in gemms}
-  by_path = collections.defaultdict(list)
+def _attention_products(gemms) -> dict:
+  """{label of a forward GEMM: "qk" or "pv"} for attention's plain products: in an
+  ".../attn" scope with two forward GEMMs, PV is the one whose lhs is built from
+  the other's output."""
+  forward = collections.defaultdict(list)
   for g in gemms:
     if not g.backward and not g.recomputed:
-      by_path[g.path].append(g)
-  for path, fwd in by_path.items():
-    if path.endswith("attn") and len(fwd) == 2:
-      qk, pv = fwd
-      if any(t[0] == "gemm" and t[1] == qk.label for t in pv.lhs.data):
-        for g in gemms:
-          if g.path == path:
-            names[id(g)] = None  # set below, by the forward GEMM it belongs to
-        names[("label", qk.label)], names[("label", pv.label)] = f"{path}/qk", f"{path}/pv"
-  return names
+      forward[g.path].append(g)
+  out = {}
+  for path, pair in forward.items():
+    if path.endswith("attn") and len(pair) == 2:
+      qk, pv = pair
+      if ("gemm", qk.label, False) in pv.lhs.data:
+        out[qk.label], out[pv.label] = "qk", "pv"
+  return out
 
 
 def _assign(gemms):
@@ -198,11 +196,11 @@ def expected(layer: str, model_cfg, recipe):
 
 def audit(gemms, model_cfg, recipe, switch_wgrad_to=None):
   """The Rows of a train step's gemms (module docstring)."""
-  names = _names(gemms)
+  products = _attention_products(gemms)
   rows = []
   for g, f, role, (x, w) in _assign(gemms):
-    layer = names.get(("label", f.label)) if f is not None and names[id(g)] is None else None
-    layer = layer or names[id(g)] or g.path
+    product = products.get(f.label) if f is not None else None
+    layer = f"{g.path}/{product}" if product else g.path
     asked, label = expected(layer, model_cfg, recipe)
     if role in ROLES:
       want = getattr(asked, role)

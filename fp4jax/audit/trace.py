@@ -87,7 +87,8 @@ class Gemm:
   again in the backward; flops: 2 * M * N * K times the enclosing scans'
   lengths (0 in a cond branch other than the first); label: path#shape, how
   the `data` of other operands name it; lhs, rhs: Operands; out_dtype; prim:
-  the primitive; shapes: (lhs shape, rhs shape).
+  the primitive; alternative: it lies in a cond branch other than the first
+  (the adaptive Wgrad switch's).
   """
   path: str
   backward: bool
@@ -98,7 +99,6 @@ class Gemm:
   rhs: Operand
   out_dtype: str
   prim: str
-  shapes: tuple
   alternative: bool = False
 
 
@@ -118,6 +118,7 @@ _CONST = _Value()
 
 
 def _union(values):
+  """The _Value of a result computed from `values`."""
   values = list(values)
   if len(values) == 1:
     return values[0]
@@ -216,8 +217,7 @@ def _operand(value, aval):
 class _Walker:
   """Walks a jaxpr and its sub-jaxprs, giving every value a _Value, collecting Gemms."""
 
-  def __init__(self, step_inputs):
-    self.step_inputs = step_inputs
+  def __init__(self):
     self.gemms = []
     self._followed = {}
 
@@ -314,8 +314,7 @@ class _Walker:
         flops=(_flops(eqn) if flops is None else flops) * weight,
         label=label, lhs=_operand(ins[0], eqn.invars[0].aval),
         rhs=_operand(ins[1], eqn.invars[1].aval), out_dtype=str(eqn.outvars[0].aval.dtype),
-        prim=prim or eqn.primitive.name, shapes=tuple(v.aval.shape for v in eqn.invars[:2]),
-        alternative=alternative))
+        prim=prim or eqn.primitive.name, alternative=alternative))
     # The output is new data: later operands name this GEMM (forward GEMMs by a
     # label that remat's recomputation shares).
     tag = frozenset({("gemm", label, backward)})
@@ -339,7 +338,7 @@ def gemms(closed, input_names, step_inputs=()):
   step_inputs: the names of the inputs that change from step to step other
   than data (the step counter), whose reach marks per-step signs.
   """
-  walker = _Walker(step_inputs)
+  walker = _Walker()
   jaxpr = closed.jaxpr
   env = {}
   for var, name in zip(jaxpr.invars, input_names):
