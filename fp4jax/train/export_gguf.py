@@ -79,7 +79,8 @@ def notice(recipe, p):
   if p.exact:
     return (f"weights: the trained forward's {p.fmt} codes and scales (recipe "
             f"{recipe.name!r}), bit for bit")
-  return (f"quantize: recipe {recipe.name!r} {p.why}, so the weights are quantized "
+  which = "its unrotated weights" if recipe.fprop.hadamard else "the weights"
+  return (f"quantize: recipe {recipe.name!r} {p.why}, so {which} are quantized "
           f"to {p.fmt} after training (round to nearest), not as the forward computed")
 
 
