@@ -289,7 +289,50 @@ ENTRY %main (a: f8e4m3fn[256,512], b: f8e5m2[384,512]) -> f32[256,384] {
   assert (g["operands"], g["shape"], g["kernel"], hlo_stats.gemm_kind(g)) == (
       ["f8e4m3fn", "f8e5m2"], [256, 384], "fp4jax_hopper_gemm_256x384x512_mosaic_gpu_kernel",
       "Mosaic GPU")
+  assert g["k"] == 512  # a[M, K] -> out[M, N]
   assert hlo_stats.gemms(hlo.replace("fp4jax_", "other_")) == []  # not fp4jax's: not counted
+
+
+_LOOP_HLO = """
+%fused_dot (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %d = bf16[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (b: (s32[], bf16[8,16], bf16[2,4])) -> (s32[], bf16[8,16], bf16[2,4]) {
+  %b = (s32[], bf16[8,16]{1,0}, bf16[2,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = bf16[8,16]{1,0} get-tuple-element(%b), index=1
+  %w = bf16[2,4]{1,0} get-tuple-element(%b), index=2
+  %g = bf16[16,4]{1,0} all-gather(%w), replica_groups={}, dimensions={0}
+  %f = bf16[8,4]{1,0} fusion(%x, %g), kind=kLoop, calls=%fused_dot
+  ROOT %t = (s32[], bf16[8,16]{1,0}, bf16[2,4]{1,0}) tuple(%i, %x, %w)
+}
+
+%cond (c: (s32[], bf16[8,16], bf16[2,4])) -> pred[] {
+  %c = (s32[], bf16[8,16]{1,0}, bf16[2,4]{1,0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], bf16[8,16], bf16[2,4])) -> (s32[], bf16[8,16], bf16[2,4]) {
+  %a = (s32[], bf16[8,16]{1,0}, bf16[2,4]{1,0}) parameter(0)
+  %r = bf16[2,4]{1,0} all-reduce(%a), replica_groups={}, to_apply=%cond
+  ROOT %loop = (s32[], bf16[8,16]{1,0}, bf16[2,4]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"32"}}
+}
+"""
+
+
+def test_a_loop_body_runs_its_trip_count_times():
+  """What gpu_fit counts per step: a while body's GEMMs and collectives once per iteration."""
+  assert hlo_stats.executions(_LOOP_HLO) == {"main": 1, "cond": 1, "body": 32, "fused_dot": 32}
+  (g,) = hlo_stats.gemms(_LOOP_HLO)
+  assert (g["computation"], g["k"], g["kernel"]) == ("fused_dot", 16, "f")
+  assert gpu_shards.collectives(_LOOP_HLO) == {"all-gather": (1, 128), "all-reduce": (1, 16)}
+  assert gpu_shards.collectives(_LOOP_HLO, per_run=True) == {"all-gather": (32, 32 * 128),
+                                                               "all-reduce": (1, 16)}
+  unknown = _LOOP_HLO.replace('"n":"32"', '"n":"x"')  # no trip count XLA knows: once
+  assert hlo_stats.executions(unknown)["body"] == 1
 
 
 def test_snappy_decodes_literals_and_overlapping_copies():
@@ -390,21 +433,18 @@ def assert_no_kernel_sees_the_global_batch(row):
 
 
 @needs_plugin
-@pytest.mark.parametrize("backend", ["xla", "pallas", "mosaic", "native"])
+@pytest.mark.parametrize("backend", ["xla", "pallas", "mosaic"])
 def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, backend):
   """The Dense layer, 3,072 tokens over 8 H200s (fp4jax.bench.gpu_shards): each quantize
   kernel, Mosaic GPU GEMM and XLA GEMM reads 384 tokens, nothing is all-gathered, and
   the one all-reduce is Wgrad's sum over the devices' tokens (for the kernel backends,
-  bf16's one all-reduce in float32). xla (XLA partitions its jnp program) is the control;
-  native's quantization is jnp and its GEMMs an HLO op, which XLA partitions too."""
+  bf16's one all-reduce in float32). xla (XLA partitions its jnp program) is the control."""
   row = gpu_shards.row(h200x8, "mxfp4", backend, per_shard=True)
   assert_no_kernel_sees_the_global_batch(row)
   local = gpu_shards.TOKENS // 8
-  assert any(local in gpu_shards.dims(k) for k in row["kernels"]) or backend in ("xla", "native")
+  assert any(local in gpu_shards.dims(k) for k in row["kernels"]) or backend == "xla", row
   if backend == "mosaic":
     assert sum(k.startswith("mosaic") for k in row["kernels"]) == 3, row
-  if backend == "native":  # Fprop, Dgrad, Wgrad: scaled-dots on one device's tokens
-    assert sum(g.startswith("block-scaled") for g in row["gemms"]) == 3, row["gemms"]
   assert set(row["collectives"]) == {"all-reduce"}, row["collectives"]
   count, nbytes = row["collectives"]["all-reduce"]
   if backend in ("pallas", "mosaic"):  # dW [K, N] in float32: the devices' partial Wgrads, summed
@@ -412,6 +452,16 @@ def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, b
   else:
     assert count == 1 and nbytes in (gpu_shards.K * gpu_shards.N * 2,
                                      gpu_shards.K * gpu_shards.N * 4), row
+
+
+@needs_plugin
+def test_native_mxfp4_does_not_compile_on_8_gpus_yet(h200x8):
+  """As found with jax 0.12.1: XLA cannot partition a scaled-dot (its MHLO round trip
+  has no such op: "failed to legalize operation 'mhlo.unknown'"), so the native
+  backend's MXFP4 GEMMs, which compile for one GPU, do not for 8. When this fails,
+  native compiles sharded: give it the check above."""
+  with pytest.raises(Exception, match="Unable to convert MHLO to StableHLO"):
+    gpu_shards.row(h200x8, "mxfp4", "native", per_shard=True)
 
 
 @needs_plugin

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
 
-from fp4jax import errors, sharding
+from fp4jax import errors, recipes, sharding
 from fp4jax.bench import gpu_compile, gpu_shards, hlo_stats, positive_int
 from fp4jax.data import tokenizers
 from fp4jax.llama import block_check
@@ -106,13 +106,14 @@ def start_up(config, devices, capability, target):
   """The Setup of `config` on `devices` GPUs of compute capability `capability`,
   after the trainer's start-up checks (ValueError, one line, for what fails them)."""
   train_config.check(config)
+  recipe = recipes.from_config(config.quant, config.dtype)  # checked against the GPU first
+  route = recipe.native_route if recipe.backend == "native" and recipe.native_route != "auto" else None
+  gpu_compile.check_arms(((config.quant.name, recipe.backend, route),), capability, target)
   tokenizer, vocabulary = _vocabulary(config)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   if config.model.scan_layers is None:  # as the trainer on a GPU would
     model_cfg = dataclasses.replace(model_cfg, scan_layers=train_config.scan_by_default(
         config, model_cfg, platform="gpu"))
-  route = recipe.native_route if recipe.backend == "native" and recipe.native_route != "auto" else None
-  gpu_compile.check_arms(((recipe.name, recipe.backend, route),), capability, target)
   sizes = sharding.mesh_shape(config.mesh, devices)
   mesh = jax.sharding.AbstractMesh(sizes, sharding.MESH_AXES)
   micro_batch = train_step.micro_batch(config)
