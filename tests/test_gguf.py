@@ -317,3 +317,38 @@ def test_without_the_gguf_package_the_export_says_which_extra(runs, tmp_path, mo
   refused_in_process(lambda: export_gguf.export_gguf(
       runs["mxfp4"], str(tmp_path / "m.gguf"), quantize="mxfp4"), "fp4jax[gguf]")
   assert not os.listdir(tmp_path)
+
+
+def _tokenizer_json(pre, merges, added=((3, "<s>"), (4, "</s>"))):
+  return {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": merges},
+          "added_tokens": [{"id": i, "content": c} for i, c in added], "pre_tokenizer": pre}
+
+
+LLAMA3_PRE = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": export_gguf.gguf.LLAMA3_SPLIT}},
+    {"type": "ByteLevel", "use_regex": False}]}
+
+
+@pytest.mark.parametrize("pre,merges,want", [
+    (LLAMA3_PRE, ["a b"], "llama-bpe"),
+    ({"type": "ByteLevel", "use_regex": True}, [["a", "b"]], "gpt-2"),
+    ({"type": "ByteLevel", "use_regex": False}, [], "default")])
+def test_a_byte_level_bpe_tokenizer_json_becomes_llama_cpps_vocabulary(pre, merges, want):
+  tokens, types, written, name = export_gguf.gguf.bpe_vocab(
+      _tokenizer_json(pre, merges), vocab_size=8, bos_id=3, eos_id=4)
+  assert name == want
+  assert tokens[:5] == ["a", "b", "ab", "<s>", "</s>"] and len(tokens) == 8
+  assert types == [1, 1, 1, 3, 3, 5, 5, 5]  # normal, control, unused padding
+  assert written == (["a b"] if merges else [export_gguf.gguf.NO_MERGE])
+
+
+@pytest.mark.parametrize("tokenizer,vocab_size,names", [
+    (_tokenizer_json({"type": "ByteLevel", "use_regex": False}, ["a b"]), 8,
+     ["neither Llama 3's nor GPT-2's"]),
+    (_tokenizer_json({"type": "Whitespace"}, []), 8, ["not byte-level"]),
+    (_tokenizer_json({"type": "ByteLevel"}, [], added=((3, "<s>"),)), 8,
+     ["special token 4"]),
+    (_tokenizer_json({"type": "ByteLevel"}, []), 4, ["token id 4", "4 rows"]),
+    ({"model": {"type": "Unigram"}}, 8, ["'Unigram'", "byte-level BPE"])])
+def test_tokenizers_llama_cpp_would_split_otherwise_are_refused(tokenizer, vocab_size, names):
+  refused_in_process(lambda: export_gguf.gguf.bpe_vocab(tokenizer, vocab_size, 3, 4), *names)
