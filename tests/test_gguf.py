@@ -250,7 +250,7 @@ def test_cli_writes_through_convert_and_refuses_bad_input(runs, tmp_path):
   refused(rc, log, "OUT", "exists", "--overwrite")
   for argv, names in [
       (["--quantize", "q8_0"], ["--quantize", "'q8_0'", "mxfp4"]),
-      ([], ["--quantize", "None"]),
+      ([], ["needs --quantize", "mxfp4", "nvfp4"]),
       (["--quantize", "nvfp4", "--layout", "modelopt"], ["--layout", "Hugging Face"]),
       (["--quantize", "mxfp4", "--dtype", "float16"], ["--dtype", "float16", "bfloat16"])]:
     rc, log = main_in_process(export_gguf.main, ["export", runs["mxfp4"],

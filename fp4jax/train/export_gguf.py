@@ -89,6 +89,8 @@ def export_gguf(run_dir, out, *, quantize=None, step=None, dtype=None, overwrite
   `out`, its block linears in `quantize` ("mxfp4" or "nvfp4"), the dense
   tensors in `dtype` (default the run's compute dtype). Returns the lines
   of a short report."""
+  if quantize is None:
+    raise ConvertError(f"a GGUF export needs --quantize, one of {list(gguf.BLOCKS)}")
   if quantize not in gguf.BLOCKS:
     raise ConvertError(f"--quantize {quantize!r}; a GGUF export needs one of "
                        f"{list(gguf.BLOCKS)}")
