@@ -47,3 +47,14 @@ def test_blocks_are_scanned_by_default_on_gpus_where_no_block_needs_its_own_path
   assert not scanned(config)
   ablation = cli.load_config_file(os.path.join(ROOT, "configs", "ablation_gpu.py"))
   assert ablation.model.scan_layers is False  # its diagnostics read per-block paths
+
+
+def test_the_8b_config_runs_fsdp_within_a_host_and_data_across_hosts():
+  """configs/llama3_8b_c4.py's own mesh: FSDP over a host's 8 GPUs (pure data parallelism
+  does not fit 8 H200s: docs/sharding.md), data parallelism across hosts, 2 sequences
+  per GPU on 8."""
+  from fp4jax import sharding  # pylint: disable=g-import-not-at-top
+  config = cli.load_config_file(os.path.join(ROOT, "configs", "llama3_8b_c4.py"))
+  assert sharding.mesh_shape(config.mesh, 8) == (1, 8, 1)
+  assert sharding.mesh_shape(config.mesh, 16) == (2, 8, 1)
+  assert config.micro_batch == 2 * 8 and config.batch_size % config.micro_batch == 0

@@ -12,7 +12,7 @@ the operands' specs passed to fp4jax.dot_general ("per shard": the backend runs
 its kernels on each device's shard, fp4jax.shard_local) and without ("whole":
 the kernels run on the whole array, as before shard_local). Per program: every kernel the
 compiled HLO calls (Triton and Mosaic GPU custom calls) with its output type, every
-GEMM (fp4jax.bench.hlo_stats.gemms: XLA's dots and scaled-dots, the custom calls)
+other GEMM (fp4jax.bench.hlo_stats.gemms: XLA's dots and scaled-dots)
 with its output shape and contraction, the kernels and GEMMs that see every
 device's tokens (an operand, output or contraction of the global token count
 TOKENS), and the collectives with the bytes they write. Needs jax's CUDA plugin
@@ -146,7 +146,8 @@ def row(devices, recipe, backend, per_shard, mesh_sizes=None):
   """One program's report: its kernels and GEMMs, those on the global batch, its collectives."""
   text = compile_layer(devices, recipe, backend, per_shard, mesh_sizes)
   kernels = [(f"{kind} {out}", [out] + operands) for kind, out, operands in kernel_calls(text)]
-  gemms = [(f"{hlo_stats.gemm_kind(g)} {g['shape']} k={g['k']}", g) for g in hlo_stats.gemms(text)]
+  gemms = [(f"{hlo_stats.gemm_kind(g)} {g['shape']} k={g['k']}", g) for g in hlo_stats.gemms(text)
+           if g["op"] != "custom-call"]  # a Mosaic GPU GEMM is one of the kernels
   return dict(recipe=recipe, backend=backend, mode="per shard" if per_shard else "whole",
               mesh="x".join(map(str, mesh_sizes or (len(devices), 1, 1))),
               kernels=[name for name, _ in kernels], gemms=[name for name, _ in gemms],
