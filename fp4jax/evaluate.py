@@ -114,9 +114,11 @@ def mesh_of(model):
       return sharding.make_mesh(ml_collections.ConfigDict(shape), jax.devices()[:wanted]), ""
     except (ValueError, TypeError):
       pass
+  used = ("recorded no mesh" if wanted is None else
+          f"used {wanted} device(s) and this machine has {jax.device_count()}")
   note = "" if model.config is None else (
-      f"the run used {wanted} device(s) and this machine has {jax.device_count()}: evaluated "
-      "on one device, so the loss may differ from the run's in the last bits")
+      f"the run {used}: evaluated on one device, so the loss may differ from the run's in "
+      "the last bits")
   return sharding.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
                             jax.devices()[:1]), note
 

@@ -23,7 +23,7 @@ from fp4jax.llama import model as model_lib
 from fp4jax.train import export
 from fp4jax.train import trainer
 from sharded_runs import on_first_devices
-from tests.helpers import main_in_process, refused, tiny_config
+from tests.helpers import edited_config, main_in_process, refused, tiny_config
 
 STEPS = 2
 PROMPTS = ("def f(x):", "import", "class Point:\n  ")
@@ -77,12 +77,17 @@ def test_two_blocks_scanned_or_not_decode_as_their_forward(scan_layers):
   recipe = fp4jax.recipe("mxfp4")
   llama = model_lib.Llama(cfg, recipe)
   prompts = [[1, 2, 3, 4, 5], [6, 7]]
-  params = llama.init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+  params = jax.jit(llama.init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
   new = generate.generate(cfg, recipe, params, prompts, max_new_tokens=6, sampling=GREEDY,
                           seed=0, eos_id=-1).tokens
-  for prompt, tokens in zip(prompts, new):
-    argmax = np.asarray(llama.apply({"params": params}, np.array([prompt + tokens]))).argmax(-1)
-    assert argmax[0, len(prompt) - 1:-1].tolist() == tokens
+  # Both rows' whole sequences, right-padded to one shape (causal: padding after
+  # a row's tokens changes none of their logits).
+  whole = np.zeros((2, 11), np.int32)
+  for row, (prompt, tokens) in enumerate(zip(prompts, new)):
+    whole[row, :len(prompt) + 6] = prompt + tokens
+  argmax = np.asarray(jax.jit(llama.apply)({"params": params}, whole)).argmax(-1)
+  for row, (prompt, tokens) in enumerate(zip(prompts, new)):
+    assert argmax[row, len(prompt) - 1:len(prompt) + 5].tolist() == tokens
 
 
 def test_a_row_decodes_the_same_alone_and_in_a_batch(run):
@@ -185,6 +190,13 @@ def test_bad_input_is_one_line_and_exit_2(run, tmp_path):
   shutil.copy(os.path.join(run_dir, "config.json"), bare)
   _refused([str(bare), "--prompt", "x"], "has no checkpoint")
   _refused([str(tmp_path), "--prompt", "x"], "is neither an fp4jax run")
+  _refused([run_dir, "--prompt", "x", "--top_k", "-1"], "--top_k -1")
+  _refused([run_dir, "--prompt", "x", "--num_samples", "0"], "--num_samples 0")
+  quantized_attention = str(tmp_path / "qa")
+  shutil.copytree(run_dir, quantized_attention)
+  edited_config(quantized_attention,
+                lambda c: c["resolved"]["model"].update(quantize_attention=True))
+  _refused([quantized_attention, "--prompt", "x"], "quantizes attention", "--quant bf16")
   empty_file = tmp_path / "prompts.txt"
   empty_file.write_text("\n  \n")
   _refused([run_dir, "--prompt_file", str(empty_file)], "holds no prompt")
