@@ -29,8 +29,10 @@ import pytest
 
 import fp4jax
 from fp4jax import checkpointing
+from fp4jax import generate as generate_lib
 from fp4jax.data import pipeline
 from fp4jax.data import tokenizers
+from fp4jax.generate import sampling as sampling_lib
 from fp4jax.llama import fp4_weights
 from fp4jax.llama import hf as hf_llama
 from fp4jax.llama import linears
@@ -212,22 +214,22 @@ def _greedy(forward, prompt, n):
   return tokens[len(prompt):]
 
 
-def _trained_forward(run_dir):
-  """The run's own forward, jitted: its recipe (W4A4 MXFP4 or NVFP4, bfloat16
-  operands), its weights; no random rounding, so any keys."""
-  _, cfg, recipe, params = _run(run_dir)
-  model = model_lib.Llama(cfg, recipe)
-  keys = {"quant": jax.random.key(0), "hadamard": jax.random.key(0)}
-  return jax.jit(lambda tokens: model.apply({"params": params}, tokens, rngs=keys))
+def _generated(run_dir, prompt, n):
+  """fp4jax.generate's n greedy tokens after `prompt` in the run's own recipe
+  (W4A4: MXFP4 or NVFP4 inputs too) and weights, with a KV cache."""
+  config, cfg, recipe, params = _run(run_dir)
+  return generate_lib.generate(
+      cfg, recipe, params, [prompt], max_new_tokens=n,
+      sampling=sampling_lib.Sampling(temperature=0.0), seed=0,
+      eos_id=tokenizers.ByteTokenizer.eos_id, run_seed=int(config.get("seed", 0))).tokens[0]
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_llama_cpp_greedy_text_is_fp4jax_greedy_text(exports, name):
   """llama.cpp's own greedy completion (its tokenizer, sampler and
-  detokenizer) equals the reference's greedy text token for token, and the
-  trained forward's (fp4jax.generate's numbers: W4A4 with bfloat16
-  operands, where llama.cpp computes W4A8 in float32) for the first tokens;
-  printed: where they part."""
+  detokenizer) equals the reference's greedy text token for token, and
+  fp4jax.generate's in the run's recipe (W4A4, where llama.cpp computes
+  W4A8) for the first tokens; printed: where they part."""
   run_dir, path = exports[name]
   tok = tokenizers.make_tokenizer("bytes")
   prompt = [tok.bos_id, *tok.encode(PROMPT).tolist()]
@@ -238,10 +240,10 @@ def test_llama_cpp_greedy_text_is_fp4jax_greedy_text(exports, name):
   text = completion["choices"][0]["text"]
   reference, _ = _reference(run_dir, FORMATS[name])
   assert text == tok.decode(_greedy(reference, prompt, GREEDY_TOKENS)), text
-  trained = tok.decode(_greedy(_trained_forward(run_dir), prompt, GREEDY_TOKENS))
+  trained = tok.decode(_generated(run_dir, prompt, GREEDY_TOKENS))
   same = next((i for i, (a, b) in enumerate(zip(text, trained)) if a != b),
               min(len(text), len(trained)))
-  print(f"{name}: llama.cpp {text!r}, the trained forward {trained!r}: the first "
+  print(f"{name}: llama.cpp {text!r}, fp4jax.generate {trained!r}: the first "
         f"{same} tokens agree")
   assert same >= TRAINED_AGREE, (text, trained)
 

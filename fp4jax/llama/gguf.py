@@ -189,10 +189,10 @@ def check_writer():
                        "'fp4jax[gguf]'")
 
 
-def write(path, name, hparams, vocab, tensors, extra):
+def write(path, model_name, hparams, vocab, tensors, extra):
   """Writes a GGUF file at `path` (the whole file; the caller makes it atomic).
 
-  name: general.name; hparams: `hyperparameters`; vocab: (tokens [str],
+  model_name: general.name; hparams: `hyperparameters`; vocab: (tokens [str],
   token types [gguf.TokenType], merges [str], pre-tokenizer name, bos id,
   eos id); tensors: [(GGUF name, array, ggml type name or None)]: float32
   arrays are F32, a type name ("MXFP4", "NVFP4", "BF16") takes the array's
@@ -202,7 +202,7 @@ def write(path, name, hparams, vocab, tensors, extra):
   import gguf  # pylint: disable=import-outside-toplevel
 
   writer = gguf.GGUFWriter(path, ARCH)
-  writer.add_name(name)
+  writer.add_name(model_name)
   for key, value in hparams.items():
     add = writer.add_float32 if isinstance(value, float) else writer.add_uint32
     add(f"{ARCH}.{key}", value)
@@ -218,9 +218,9 @@ def write(path, name, hparams, vocab, tensors, extra):
   writer.add_add_eos_token(False)
   for key, value in extra.items():
     writer.add_string(key, value)
-  for tensor_name_, array, ggml_type in tensors:
+  for name, array, ggml_type in tensors:
     raw = None if ggml_type is None else gguf.GGMLQuantizationType[ggml_type]
-    writer.add_tensor(tensor_name_, array, raw_dtype=raw)
+    writer.add_tensor(name, array, raw_dtype=raw)
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
   writer.write_tensors_to_file()
