@@ -456,10 +456,11 @@ def test_a_sharded_dense_layer_runs_its_kernels_on_each_devices_tokens(h200x8, b
 
 @needs_plugin
 def test_native_mxfp4_does_not_compile_on_8_gpus_yet(h200x8):
-  """As found with jax 0.12.1: XLA cannot partition a scaled-dot (its MHLO round trip
-  has no such op: "failed to legalize operation 'mhlo.unknown'"), so the native
-  backend's MXFP4 GEMMs, which compile for one GPU, do not for 8. When this fails,
-  native compiles sharded: give it the check above."""
+  """As found with jax 0.12.1: XLA cannot compile a scaled-dot in a program of several
+  devices (its MHLO round trip has no such op: "failed to legalize operation
+  'mhlo.unknown'", inside a shard_map too), so the native backend's MXFP4 GEMMs, which
+  compile for one GPU, do not for 8. When this fails, native compiles sharded: give it
+  the check above."""
   with pytest.raises(Exception, match="Unable to convert MHLO to StableHLO"):
     gpu_shards.row(h200x8, "mxfp4", "native", per_shard=True)
 
