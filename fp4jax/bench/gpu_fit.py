@@ -21,11 +21,12 @@ the same partitioned program):
                the whole micro-batch (micro_batch x seq_len tokens) although the mesh
                splits the batch
 and a one-line verdict (with the XLA_PYTHON_CLIENT_MEM_FRACTION a step needs that
-fits the GPU but not the 75% of it jax's allocator takes by default). The config is read as train.py reads it (--config.KEY=VALUE
-overrides, --config.quant=NAME); --config.mesh.* must multiply to --devices, and the
-trainer's start-up checks run before anything compiles (a quantization block that
-would straddle devices, a micro-batch the batch shards do not divide): bad input is
-one line on stderr, exit status 2. Exit status 1 when the step does not compile, does
+fits the GPU but not the 75% of it jax's allocator takes by default). The config is
+read as train.py reads it (--config.KEY=VALUE overrides, --config.quant=NAME);
+--config.mesh.* must multiply to --devices, and the trainer's start-up checks run
+before anything compiles (a quantization block that would straddle devices, a
+micro-batch the batch shards do not divide): bad input is one line on stderr, exit
+status 2. Exit status 1 when the step does not compile, does
 not fit, or a kernel sees the whole micro-batch. No data is read; the vocabulary is
 the tokenizer's where its file exists, else the model preset's. Only the config's
 first recipe is compiled (not a quant_schedule's later ones, nor adaptive_wgrad's
@@ -102,19 +103,21 @@ def load_config(path, overrides):
   return values.config
 
 
-def start_up(config, devices, capability, target):
-  """The Setup of `config` on `devices` GPUs of compute capability `capability`,
-  after the trainer's start-up checks (ValueError, one line, for what fails them)."""
+def start_up(config, n_devices, capability, target):
+  """The Setup of `config` on `n_devices` GPUs of compute capability `capability`
+  ((major, minor) of `target`), after the trainer's start-up checks (ValueError, one
+  line, for what fails them)."""
   train_config.check(config)
   recipe = recipes.from_config(config.quant, config.dtype)  # checked against the GPU first
-  route = recipe.native_route if recipe.backend == "native" and recipe.native_route != "auto" else None
+  native = recipe.backend == "native" and recipe.native_route != "auto"
+  route = recipe.native_route if native else None
   gpu_compile.check_arms(((config.quant.name, recipe.backend, route),), capability, target)
   tokenizer, vocabulary = _vocabulary(config)
   model_cfg, recipe = train_config.resolve(config, tokenizer)
   if config.model.scan_layers is None:  # as the trainer on a GPU would
     model_cfg = dataclasses.replace(model_cfg, scan_layers=train_config.scan_by_default(
         config, model_cfg, platform="gpu"))
-  sizes = sharding.mesh_shape(config.mesh, devices)
+  sizes = sharding.mesh_shape(config.mesh, n_devices)
   mesh = jax.sharding.AbstractMesh(sizes, sharding.MESH_AXES)
   micro_batch = train_step.micro_batch(config)
   if micro_batch % sharding.batch_shards(mesh):
@@ -207,8 +210,8 @@ def verdict(report):
   if whole:
     line += (f"; {whole} kernel calls read or write the whole micro-batch "
              f"({report['micro_batch_tokens']:,} tokens) on every device")
-  return f"{report['config']} ({report['recipe']} on {report['backend']}, mesh "\
-         f"{report['mesh']}, micro_batch {report['micro_batch']}): {line}"
+  return (f"{report['config']} ({report['recipe']} on {report['backend']}, mesh "
+          f"{report['mesh']}, micro_batch {report['micro_batch']}): {line}")
 
 
 def print_report(report):
@@ -216,9 +219,10 @@ def print_report(report):
   print(f"{report['config']}: {report['model']} ({report['n_params']:,} parameters), "
         f"{report['recipe']} on {report['backend']}; {report['devices']} x {report['device']} "
         f"({report['target']}, {report['hosts']} host{'s' * (report['hosts'] > 1)}), mesh "
-        f"{report['mesh']} (data x fsdp x tensor); batch {report['batch_size']} x {report['seq_len']}, micro_batch "
-        f"{report['micro_batch']} ({report['tokens_per_device']:,} tokens per device per "
-        f"micro-batch); vocabulary {report['vocabulary']}")
+        f"{report['mesh']} (data x fsdp x tensor); batch {report['batch_size']} x "
+        f"{report['seq_len']}, micro_batch {report['micro_batch']} "
+        f"({report['tokens_per_device']:,} tokens per device per micro-batch); vocabulary "
+        f"{report['vocabulary']}")
   print(f"compiled in {report['seconds']:.0f} s ({report['date']}, jax {report['jax']}, "
         f"commit {report['commit']})")
   print(f"memory per device: arguments {gib(mem['arguments'])}, outputs {gib(mem['outputs'])}, "
