@@ -141,13 +141,18 @@ def test_samples_come_from_the_top_k_and_top_p_sets(top_k, top_p):
     assert {t for t, p in nucleus.items() if p > 0.03} <= row
 
 
-def test_the_command_prints_each_rows_text_and_tokens_per_s(run):
+def test_the_command_prints_each_rows_text_and_tokens_per_s(run, tmp_path):
+  options = ["--max_new_tokens", "5", "--temperature", "0"]
   rc, out = main_in_process(cli.main, [run[0], "--prompt", "def f(x):", "--prompt", "é",
-                                       "--max_new_tokens", "5", "--temperature", "0"])
+                                       *options])
   assert rc == 0, out
   assert "=== 1 ===\ndef f(x):" in out and "=== 2 ===\né" in out
   assert f"step {STEPS} of {run[0]}, forward mxfp4" in out
   assert "tokens/s" in out.strip().splitlines()[-1]
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("def f(x):\n\né\n", encoding="utf-8")
+  rc, from_file = main_in_process(cli.main, [run[0], "--prompt_file", str(prompts), *options])
+  assert rc == 0 and from_file.splitlines()[1:-1] == out.splitlines()[1:-1], from_file
 
 
 def test_the_byte_tokenizers_invalid_utf8_is_shown_escaped(run):
