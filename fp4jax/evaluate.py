@@ -117,8 +117,8 @@ def mesh_of(model):
   used = ("recorded no mesh" if wanted is None else
           f"used {wanted} device(s) and this machine has {jax.device_count()}")
   note = "" if model.config is None else (
-      f"the run {used}: evaluated on one device, so the loss may differ from the run's in "
-      "the last bits")
+      f"the run {used}: evaluated on one device, whose sums run in another order, so the "
+      "loss may differ from the run's")
   return sharding.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=1)),
                             jax.devices()[:1]), note
 
@@ -165,7 +165,7 @@ def evaluate(model, args):
   with sharding.use_mesh(mesh):
     result = trainer._evaluate(programs.eval, params, batches)  # pylint: disable=protected-access
   same_as_run = (model.config is not None and args.quant == trained_lib.RECIPE
-                 and args.data is None and not changed and not note and all(
+                 and args.data is None and not changed and all(
                      getattr(args, k) is None for k in ("batches", "batch_size", "seq_len")))
   return dict(
       evaluated=model.describe(step), step=step, recipe=recipe.name,
