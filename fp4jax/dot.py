@@ -13,11 +13,14 @@ multiply the float32 output, as a hardware epilogue does; per-tensor FP8
 operands carry their scale in their values, in the input's dtype.
 
 Layout: the contraction axes, in dot_general order, are flattened into one
-blocked axis, alike in both operands; a GEMM's lhs is rotated and quantized
-as [other axes..., contraction], its rhs in place (for a Dense layer a free
-reshape except the Wgrad lhs, transposed once). A rotated axis the Hadamard
-block does not divide is zero-padded in both operands; so are quantization
-blocks that do not divide an axis.
+blocked axis, alike in both operands; a GEMM's rhs is rotated and quantized
+in place (a free reshape when its contraction axes are adjacent), its lhs in
+place too when it is FP4 with nearest rounding on a backend that declares
+LHS_IN_PLACE (`xla`: the Wgrad lhs X along its token axis; _lhs_last), else
+as [other axes..., contraction] (the Wgrad lhs of a Dense layer transposed
+once).
+A rotated axis the Hadamard block does not divide is zero-padded in both
+operands; so are quantization blocks that do not divide an axis.
 
 Randomness: role r in (fprop, dgrad, wgrad) uses fold_in(key, r); within it
 operand i in (lhs, rhs) quantizes with fold_in(role_key, i), and per-step
@@ -102,6 +105,18 @@ def _flat_layout(shape, axes, last):
   return perm, tuple(shape[d] for d in rest) + (n,), len(rest), {d: i for i, d in enumerate(rest)}
 
 
+def _lhs_last(backend, spec) -> bool:
+  """_flatten's `last` for a GEMM's lhs quantized with `spec` on `backend`: False
+  (in place) where the backend declares LHS_IN_PLACE and `spec` is FP4 (E2M1)
+  in 1D blocks with nearest rounding, True otherwise. Those operands quantize
+  to the same values in either layout (random roundings draw their bits in
+  the blocked layout's shape), and the GEMM's float32 sums of their few-bit
+  products are exact in any order (docs/numerics.md, "The Wgrad lhs")."""
+  return not (getattr(backend, "LHS_IN_PLACE", False) and spec is not None
+              and spec.element_dtype == jnp.float4_e2m1fn and not spec.block_2d
+              and not spec.is_random)
+
+
 def _operand_keys(gemm: Gemm, key, layer_key):
   """([lhs key, rhs key, signs key], rotation signs) of one GEMM (module docstring)."""
   keys = [None] * 3 if key is None else [jax.random.fold_in(key, i) for i in range(3)]
@@ -126,15 +141,16 @@ def _gemm(a, b, dims, gemm: Gemm, key, layer_key, recipe: Recipe, precision, out
   backend = backends.for_gemm(recipe.backend, gemm)
   cdt = jnp.dtype(recipe.compute_dtype)
   plan = _shard_plan(backend, a, b, dims, gemm, specs, role, out_spec)
+  a_last = _lhs_last(backend, gemm.lhs)
   a_layout = b_layout = None
   if plan is not None:
-    a_layout = _flat_shards(plan.a, a.shape, ca, True)
+    a_layout = _flat_shards(plan.a, a.shape, ca, a_last)
     b_layout = _flat_shards(plan.b, b.shape, cb, False)
   if saved_lhs is None:
-    a, ia, wa = _quantized(backend, a, ca, True, gemm.lhs, gemm.hadamard, signs, keys[0], cdt,
+    a, ia, wa = _quantized(backend, a, ca, a_last, gemm.lhs, gemm.hadamard, signs, keys[0], cdt,
                            a_layout)
   else:
-    _, _, ia, wa = _flat_layout(a.shape, ca, last=True)
+    _, _, ia, wa = _flat_layout(a.shape, ca, last=a_last)
     a = backend.from_qarray(residuals.restore(saved_lhs), saved_lhs.dtype, cdt)
   b, ib, wb = _quantized(backend, b, cb, False, gemm.rhs, gemm.hadamard, signs, keys[1], cdt,
                          b_layout)
@@ -226,7 +242,8 @@ def _save_lhs(s, lhs, key, layer_key):
   keys, signs = _operand_keys(gemm, _role_key(key, 2), _role_key(layer_key, 2))
   (lc, _), (lb, _) = s.dims
   free = tuple(d for d in range(lhs.ndim) if d not in lc + lb)
-  a, ia, _ = _flatten(lhs, free, last=True)
+  a, ia, _ = _flatten(lhs, free,
+                      last=_lhs_last(backends.for_gemm(s.recipe.backend, gemm), gemm.lhs))
   a = operand.rotate_padded(a, gemm.hadamard, signs, ia)
   return _SavedLhs(residuals.save(a, gemm.lhs, ia, keys[0]), lhs.shape, jnp.dtype(lhs.dtype))
 
@@ -276,7 +293,9 @@ def _bwd(s, res, dy):
   dw = _to_layout(dw, list(rb) + [rc[lc.index(l)] for l in sorted(lc)] + rf)
   fprop = s.recipe.fprop
   if fprop.lhs is not None and fprop.lhs.has_trust_mask:
-    dx = _trust_masked(dx, lhs, lc, True, fprop, fprop.lhs, key, layer_key)
+    dx = _trust_masked(dx, lhs, lc, _lhs_last(backends.for_gemm(s.recipe.backend, fprop),
+                                              fprop.lhs),
+                       fprop, fprop.lhs, key, layer_key)
   if fprop.rhs is not None and fprop.rhs.has_trust_mask:
     dw = _trust_masked(dw, rhs, rc, False, fprop, fprop.rhs, key, layer_key)
   return dx, dw, None, None, None

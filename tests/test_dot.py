@@ -543,3 +543,26 @@ def test_per_tensor_operands_are_quantized_once_per_array():
 
   hlo = jax.jit(fwd_bwd).lower(x, w, dy).compile().as_text()
   assert hlo.count(" reduce(") == 3, hlo.count(" reduce(")
+
+
+@pytest.mark.parametrize("name,backend,transposed", [
+    ("mxfp4", "xla", False), ("mxfp4-dh16", "xla", False),
+    ("mxfp4-sr", "xla", True),  # random bits are drawn in the layout's shape
+    ("mxfp8", "xla", True), ("mxfp4", "pallas", True)])
+def test_the_wgrad_lhs_is_quantized_in_place_on_xla(name, backend, transposed):
+  """The xla backend quantizes an FP4 Wgrad lhs X[M, K] (nearest rounding) along
+  its token axis where it lies: no array of X's transposed shape [K, M] in the
+  compiled forward and backward. Other operands and backends keep the
+  transposed layout (dot._lhs_last)."""
+  m, k, n = 96, 64, 32
+  r = dataclasses.replace(recipes.recipe(name), backend=backend)
+  dg = dot.dot_general(r)
+
+  def step(x, w, dy):
+    y, vjp = jax.vjp(lambda x, w: dg(x, w, (((1,), (0,)), ((), ())), key=KEY,
+                                     layer_key=LAYER_KEY), x, w)
+    return (y,) + vjp(dy)
+
+  shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n))]
+  text = jax.jit(step).lower(*shapes).compile().as_text()
+  assert (f"[{k},{m}]" in text) == transposed

@@ -20,6 +20,7 @@ import pytest
 import tensorstore as ts
 
 from fp4jax import checkpointing
+from fp4jax.backends import xla
 from fp4jax.experiments import ablation
 from fp4jax.train import cli
 from fp4jax.train import config as train_config
@@ -64,6 +65,7 @@ def test_bf16_run_lowers_loss_and_writes_its_outputs(bf16_run):
   assert resolved["model"]["n_layers"] == 1
   assert resolved["resolved"]["model"]["vocab_size"] == 288  # the tokenizer's
   assert resolved["resolved"]["mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert resolved["resolved"]["xla_bf16_gemm"] == xla.bf16_gemm()._asdict()
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
 

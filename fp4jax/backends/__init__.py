@@ -37,6 +37,11 @@ and declarations:
       also declares SHARD_LOCAL_MATMUL (`mosaic`) has its `matmul` take
       `plan=` (a shard_local.Plan) and run its GEMM per shard, summing a split
       contraction (psum).
+  LHS_IN_PLACE: bool (optional, default False)
+      True when a GEMM's FP4 lhs (nearest rounding) is quantized along its
+      contraction axis where it lies, as the rhs is (`xla`: the Wgrad lhs X
+      along its token axis, no transposed copy; fp4jax.dot._lhs_last);
+      otherwise fp4jax.dot hands the lhs over with its contraction axis last.
 
 Backends (NAMES): `xla` (jnp fake quantization, then a GEMM in the compute
 dtype; the reference), `pallas` (fp4jax.kernels' fused rotate + quantize, the

@@ -12,11 +12,15 @@ and both backward GEMMs. Rows:
   qwix ... mxfp4          qwix's dot_general_qt, mxfp4 on every operand of the
                           three GEMMs (when qwix is importable)
 Variants are timed round-robin in one run and the fastest of `--repeats` calls
-is kept (the least disturbed by other load on a shared machine).
+is kept (the least disturbed by other load on a shared machine). The header
+names the CPU, its vector and bf16 instructions (AVX-512, avx512_bf16, AMX)
+and the dtype the xla backend's GEMMs of bf16 values run in there
+(fp4jax.bench.machine).
 """
 
 import argparse
 import dataclasses
+import os
 import time
 
 import jax
@@ -24,7 +28,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from fp4jax import dot, recipes
-from fp4jax.bench import choice_list, positive_int
+from fp4jax.bench import choice_list, machine, positive_int
 
 _DIMS = (((1,), (0,)), ((), ()))
 
@@ -105,12 +109,15 @@ def main(argv):
       best[k] = min(best[k], time.perf_counter() - t)
       cpu[k] = min(cpu[k], time.process_time() - c)
 
+  qwix_ms = best[qwix[0]] if qwix is not None else None
   print(f"fwd+bwd, M={args.m} K={args.k} N={args.n}, float32 inputs, best of "
-        f"{args.repeats}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print("| variant | wall ms | vs plain f32 | CPU ms | vs plain f32 |")
-  print("|---|---|---|---|---|")
+        f"{args.repeats}, jax {jax.__version__}, load average {os.getloadavg()[0]:.1f}")
+  print(f"{machine.describe()}; {machine.gemm_line()}")
+  print("| variant | wall ms | vs plain f32 | vs qwix mxfp4 | CPU ms | vs plain f32 |")
+  print("|---|---|---|---|---|---|")
   for k, t in best.items():
-    print(f"| {k} | {t * 1e3:.1f} | {t / best['bf16']:.2f}x | {cpu[k] * 1e3:.1f} | "
-          f"{cpu[k] / cpu['bf16']:.2f}x |")
+    vs_qwix = f"{t / qwix_ms:.2f}x" if qwix_ms else "-"
+    print(f"| {k} | {t * 1e3:.1f} | {t / best['bf16']:.2f}x | {vs_qwix} | "
+          f"{cpu[k] * 1e3:.1f} | {cpu[k] / cpu['bf16']:.2f}x |")
   if qwix is None:
     print("(qwix not importable: no qwix row)")

@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from fp4jax.train import adaptive
+from fp4jax.backends import xla as xla_backend
 from fp4jax.data import pipeline
 from fp4jax.data import sources
 from fp4jax.data import tokenizers
@@ -560,7 +561,9 @@ def _resolved_config(config, model_cfg, segs, mesh, n_params, start,
   """The config and what it resolved to (config.json; JSON-ready): data
   holds the data paths made absolute (sources.absolute_paths) and the
   `validation` files' fingerprint, what a later reader of the run's
-  validation text (an export's calibration) reads and checks."""
+  validation text (an export's calibration) reads and checks;
+  xla_bf16_gemm the dtype the xla backend's GEMMs of bf16 values run in here,
+  and why (fp4jax.backends.xla.bf16_gemm)."""
   resolved = config.to_dict()
   resolved["resolved"] = dict(
       model=dataclasses.asdict(model_cfg),
@@ -570,7 +573,8 @@ def _resolved_config(config, model_cfg, segs, mesh, n_params, start,
                 validation=validation),
       n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
       resumed_from_step=start,
-      quant_schedule=[(seg.start, seg.recipe.name) for seg in segs])
+      quant_schedule=[(seg.start, seg.recipe.name) for seg in segs],
+      xla_bf16_gemm=xla_backend.bf16_gemm()._asdict())
   return json.loads(json.dumps(resolved, default=workdir_lib.json_default))
 
 
