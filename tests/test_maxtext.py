@@ -6,6 +6,7 @@ synthetic data. MaxText's own training loop runs in a subprocess (its start-up
 changes JAX's global PRNG implementation).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -22,13 +23,17 @@ maxtext = pytest.importorskip(
     "maxtext", reason="maxtext is not installed (pip install -e '.[maxtext]', Python >= 3.12)")
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from maxtext.configs import pyconfig
+from maxtext.layers import linears
 from maxtext.models import models
 from maxtext.utils import maxtext_utils
 
 from fp4jax import dot
+from fp4jax.kernels import quantize as kernel_quantize
 from fp4jax.maxtext.quantization import Fp4jaxQuantization
 from fp4jax.maxtext.supported_recipes import recipe_for
 
@@ -55,9 +60,19 @@ def _config(tmp, **overrides):
                              + TINY + extra)
 
 
+def _mesh(config, devices=None):
+  """MaxText's mesh for `config` (8-way FSDP on the 8 test devices), or its
+  first `devices` devices along fsdp."""
+  grid = maxtext_utils.create_device_mesh(config)
+  if devices is not None:
+    grid = grid.reshape(-1)[:devices].reshape(
+        [devices if a == "fsdp" else 1 for a in config.mesh_axes])
+  return jax.sharding.Mesh(grid, config.mesh_axes)
+
+
 def _model_fns(config, quant):
   """(init(), loss_and_logits(params)) of MaxText's model with `quant`."""
-  mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(config), config.mesh_axes)
+  mesh = _mesh(config)
   model = models.transformer_as_linen(config, mesh, quant=quant)
   B = config.global_batch_size_to_train_on  # pylint: disable=invalid-name
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, L + 1)), jnp.int32)
@@ -186,3 +201,108 @@ def test_maxtexts_loop_trains_20_steps_then_restores_its_checkpoint(tmp_path):
   log, rows = _train(str(tmp_path), 22)
   assert "restoring from this run's directory step 19" in log
   assert [r["step"] for r in rows] == [20, 21]
+
+
+def _recipe(name, backend):
+  return dataclasses.replace(recipe_for(name, "bfloat16"), backend=backend)
+
+
+def _quantize_kernel_shapes(monkeypatch):
+  """The shapes of the arrays the pallas backend's quantize kernel is called on."""
+  seen = []
+  real = kernel_quantize.fake_quantize
+
+  def recording(x, *args, **kwargs):
+    seen.append(tuple(x.shape))
+    return real(x, *args, **kwargs)
+  monkeypatch.setattr(kernel_quantize, "fake_quantize", recording)
+  return seen
+
+
+def test_maxtexts_projections_run_the_kernels_on_each_devices_tokens(tiny, monkeypatch):
+  """The tiny model's forward and backward under MaxText's mesh (8-way FSDP, set
+  as its trainer does with jax.set_mesh) and logical rules, on the pallas
+  backend: each projection hands DotGeneral its operands' logical names, so
+  every quantize kernel reads one device's 2 of the 16 sequences, none the
+  global batch (fp4jax.shard_local; without names every kernel on activations
+  would read all 1,024 tokens)."""
+  config, params, _ = tiny
+  model = models.transformer_as_linen(config, _mesh(config),
+                                      quant=Fp4jaxQuantization(recipe=_recipe("mxfp4-dh16",
+                                                                              "pallas")))
+  B = config.global_batch_size_to_train_on  # pylint: disable=invalid-name
+  inputs = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, L)), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+  seg = jnp.ones((B, L), jnp.int32)
+
+  def loss(p):
+    logits = model.apply({"params": p}, inputs, pos, seg, enable_dropout=False)
+    return jnp.mean(logits.astype(jnp.float32) ** 2)
+
+  seen = _quantize_kernel_shapes(monkeypatch)
+  with jax.set_mesh(_mesh(config)), nn.logical_axis_rules(config.logical_axis_rules):
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+  per_device = B // 8
+  assert (per_device, L, 128) in seen and (per_device * L, 128) in seen, seen  # Fprop, Wgrad
+  assert not [s for s in seen if B in s[:1] or B * L in s or (L, B) == s[:2]], seen
+  assert np.isfinite(value) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+# MaxText's projections: (kernel's logical axes, input shape [batch, length,
+# features...], kernel shape) of the attention query, attention out, MLP wo.
+PROJECTIONS = {
+    "query": (("embed_attn", "q_heads", "kv"), (16, 64, 128), (128, 4, 32)),
+    "out": (("heads", "kv", "embed_attn"), (16, 64, 4, 32), (4, 32, 128)),
+    "wo": (("mlp", "embed"), (16, 64, 256), (256, 128)),
+}
+
+
+def _exact(rng, shape):
+  """bf16 multiples of 1/16 in [-6/16, 6/16] and one 7/16: every float32 sum of
+  the GEMMs is exact, so a split sum's order cannot hide a difference."""
+  a = rng.integers(-6, 7, shape).astype(np.float32)
+  a.flat[rng.integers(a.size)] = 7
+  return jnp.asarray(a / 16, jnp.bfloat16)
+
+
+def _dense_general(config, devices, backend, projection):
+  """(y, dx, dw) of MaxText's DenseGeneral with recipe mxfp4-dh16 on `backend`,
+  on `devices` devices of MaxText's mesh, as float32 numpy arrays."""
+  kernel_axes, x_shape, w_shape = PROJECTIONS[projection]
+  n_in = len(x_shape) - 2
+  layer = linears.DenseGeneral(
+      in_features_shape=x_shape[2:], out_features_shape=w_shape[n_in:],
+      axis=tuple(range(-n_in, 0)), kernel_axes=kernel_axes, dtype=jnp.bfloat16,
+      weight_dtype=jnp.bfloat16, quant=Fp4jaxQuantization(recipe=_recipe("mxfp4-dh16", backend)),
+      rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  x, layer.kernel.value = _exact(rng, x_shape), _exact(rng, w_shape)
+  dy = _exact(rng, x_shape[:2] + w_shape[n_in:])
+  graph, params = nnx.split(layer)
+
+  def fwd_bwd(x, params, dy):
+    y, vjp = jax.vjp(lambda x, params: nnx.merge(graph, params)(x), x, params)
+    dx, dparams = vjp(dy)
+    return y, dx, dparams["kernel"][...]
+
+  mesh = _mesh(config, devices)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
+    tokens = NamedSharding(mesh, nn.logical_to_mesh_axes(("activation_batch",)))
+    x, dy = jax.device_put(x, tokens), jax.device_put(dy, tokens)
+    params["kernel"] = nnx.Param(jax.device_put(
+        params["kernel"][...], NamedSharding(mesh, nn.logical_to_mesh_axes(kernel_axes))))
+    out = jax.jit(fwd_bwd)(x, params, dy)
+  return [np.asarray(o.astype(jnp.float32)) for o in out]
+
+
+@pytest.mark.parametrize("projection", list(PROJECTIONS))
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_sharded_dense_general_equals_one_device_bit_for_bit(tiny, backend, projection):
+  """MaxText's DenseGeneral on 8-way FSDP (pallas: its kernels per shard, the
+  test above) gives the outputs and gradients of one device bit for bit."""
+  config = tiny[0]
+  one = _dense_general(config, 1, backend, projection)
+  eight = _dense_general(config, 8, backend, projection)
+  for name, a, b in zip(("y", "dx", "dw"), eight, one):
+    np.testing.assert_array_equal(a, b, err_msg=f"{name} of {projection} on {backend}")
+  assert np.abs(one[2]).max() > 0
