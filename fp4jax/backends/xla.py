@@ -83,6 +83,14 @@ def matmul(a, b, dims, precision, out_sharding, route=None):
   native backend's)."""
   del route
   dtype = gemm_dtype(jnp.promote_types(a.values.dtype, b.values.dtype))
+  (lhs_contracting, _), _ = dims
+  if (dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+      and max(lhs_contracting) != a.values.ndim - 1):
+    # A lhs quantized in place (LHS_IN_PLACE: FP4, whose float32 sums are exact in
+    # any order): XLA:CPU (jax 0.10.2) runs a bf16 dot contracting the lhs's leading
+    # axis as a float32 dot, or in some programs fails ("Unsupported element type
+    # for DotThunk"); the float32 dot of the same values is what it runs.
+    dtype = jnp.dtype(jnp.float32)
   y = lax.dot_general(a.values.astype(dtype), b.values.astype(dtype), dims, precision,
                       jnp.float32, out_sharding=out_sharding)
   return apply_factors(fence_dot_output(y, dtype), a.factor, b.factor)
