@@ -8,6 +8,7 @@ changes JAX's global PRNG implementation).
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,13 +61,13 @@ def _config(tmp, **overrides):
                              + TINY + extra)
 
 
-def _mesh(config, devices=None):
-  """MaxText's mesh for `config` (8-way FSDP on the 8 test devices), or its
-  first `devices` devices along fsdp."""
+def _mesh(config, sizes=None):
+  """MaxText's mesh for `config` (8-way FSDP on the 8 test devices), or one
+  with MaxText's axes of `sizes` ({mesh axis: devices}, the others 1)."""
   grid = maxtext_utils.create_device_mesh(config)
-  if devices is not None:
-    grid = grid.reshape(-1)[:devices].reshape(
-        [devices if a == "fsdp" else 1 for a in config.mesh_axes])
+  if sizes is not None:
+    shape = [sizes.get(a, 1) for a in config.mesh_axes]
+    grid = grid.reshape(-1)[:math.prod(shape)].reshape(shape)
   return jax.sharding.Mesh(grid, config.mesh_axes)
 
 
@@ -265,9 +266,9 @@ def _exact(rng, shape):
   return jnp.asarray(a / 16, jnp.bfloat16)
 
 
-def _dense_general(config, devices, backend, projection):
+def _dense_general(config, sizes, backend, projection):
   """(y, dx, dw) of MaxText's DenseGeneral with recipe mxfp4-dh16 on `backend`,
-  on `devices` devices of MaxText's mesh, as float32 numpy arrays."""
+  on MaxText's mesh of `sizes` (_mesh), as float32 numpy arrays."""
   kernel_axes, x_shape, w_shape = PROJECTIONS[projection]
   n_in = len(x_shape) - 2
   layer = linears.DenseGeneral(
@@ -285,7 +286,7 @@ def _dense_general(config, devices, backend, projection):
     dx, dparams = vjp(dy)
     return y, dx, dparams["kernel"][...]
 
-  mesh = _mesh(config, devices)
+  mesh = _mesh(config, sizes)
   with jax.set_mesh(mesh), nn.logical_axis_rules(config.logical_axis_rules):
     tokens = NamedSharding(mesh, nn.logical_to_mesh_axes(("activation_batch",)))
     x, dy = jax.device_put(x, tokens), jax.device_put(dy, tokens)
@@ -295,14 +296,20 @@ def _dense_general(config, devices, backend, projection):
   return [np.asarray(o.astype(jnp.float32)) for o in out]
 
 
+# fsdp: MaxText's default; fsdp x tensor: the query's heads, the out
+# projection's and wo's contractions split 4 ways (summed across devices).
+MESHES = {"fsdp": {"fsdp": 8}, "fsdp x tensor": {"fsdp": 2, "tensor": 4}}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_a_sharded_dense_general_equals_one_device_bit_for_bit(tiny, backend, projection):
-  """MaxText's DenseGeneral on 8-way FSDP (pallas: its kernels per shard, the
+def test_a_sharded_dense_general_equals_one_device_bit_for_bit(tiny, backend, projection, mesh):
+  """MaxText's DenseGeneral on 8 devices (pallas: its kernels per shard, the
   test above) gives the outputs and gradients of one device bit for bit."""
   config = tiny[0]
-  one = _dense_general(config, 1, backend, projection)
-  eight = _dense_general(config, 8, backend, projection)
+  one = _dense_general(config, {}, backend, projection)
+  eight = _dense_general(config, MESHES[mesh], backend, projection)
   for name, a, b in zip(("y", "dx", "dw"), eight, one):
-    np.testing.assert_array_equal(a, b, err_msg=f"{name} of {projection} on {backend}")
+    np.testing.assert_array_equal(a, b, err_msg=f"{name} of {projection} on {backend}, {mesh}")
   assert np.abs(one[2]).max() > 0

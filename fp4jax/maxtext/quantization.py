@@ -54,8 +54,10 @@ def input_axes(lhs_ndim, dimension_numbers, kernel_axes):
   tokens_first = tuple(lhs_contract) == tuple(range(2, lhs_ndim))
   if not tokens_first:
     return (None,) * lhs_ndim
-  default = ("activation_batch", "activation_length") + (None,) * (lhs_ndim - 2)
-  return _INPUT_AXES.get(contracted, default)
+  names = _INPUT_AXES.get(contracted, ())
+  if len(names) != lhs_ndim:
+    names = ("activation_batch", "activation_length") + (None,) * (lhs_ndim - 2)
+  return names
 
 
 def split_names(names):
