@@ -303,10 +303,12 @@ MESHES = {"fsdp": {"fsdp": 8}, "fsdp x tensor": {"fsdp": 2, "tensor": 4}}
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", "pallas", "mosaic"])
 def test_a_sharded_dense_general_equals_one_device_bit_for_bit(tiny, backend, projection, mesh):
-  """MaxText's DenseGeneral on 8 devices (pallas: its kernels per shard, the
-  test above) gives the outputs and gradients of one device bit for bit."""
+  """MaxText's DenseGeneral on 8 devices gives the outputs and gradients of one
+  device bit for bit: xla partitioned by XLA, pallas's quantize kernels and
+  mosaic's quantize kernels and GEMMs (their CPU twins) per shard, mosaic's
+  split sums reduced across devices (fp4jax.shard_local)."""
   config = tiny[0]
   one = _dense_general(config, {}, backend, projection)
   eight = _dense_general(config, MESHES[mesh], backend, projection)
