@@ -35,6 +35,7 @@ from maxtext.utils import maxtext_utils
 
 from fp4jax import dot
 from fp4jax.kernels import quantize as kernel_quantize
+from fp4jax.maxtext import quantization
 from fp4jax.maxtext.quantization import Fp4jaxQuantization
 from fp4jax.maxtext.supported_recipes import recipe_for
 
@@ -247,6 +248,18 @@ def test_maxtexts_projections_run_the_kernels_on_each_devices_tokens(tiny, monke
   assert (per_device, L, 128) in seen and (per_device * L, 128) in seen, seen  # Fprop, Wgrad
   assert not [s for s in seen if B in s[:1] or B * L in s or (L, B) == s[:2]], seen
   assert np.isfinite(value) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_the_input_names_are_in_maxtexts_logical_rules(tiny):
+  """A name the rules lack would leave that dim whole without a word."""
+  ruled = {name for name, _ in tiny[0].logical_axis_rules}
+  for kernel_names, input_names in quantization.INPUT_AXES.items():
+    assert set(kernel_names) | set(input_names) <= ruled, (kernel_names, input_names)
+  dims = (((2, 3), (0, 1)), ((), ()))
+  assert quantization.input_axes(4, dims, ("heads", "kv", "embed_attn")) == (
+      "activation_batch_attn", "activation_length_attn", "activation_heads", "activation_kv")
+  # MaxText's dummy forward at construction: [tokens, features], left whole.
+  assert quantization.input_axes(2, (((1,), (0,)), ((), ())), ("embed", "mlp")) == (None, None)
 
 
 # MaxText's projections: (kernel's logical axes, input shape [batch, length,

@@ -30,7 +30,7 @@ from fp4jax.recipes import Recipe
 # The logical names MaxText (0.2.5) constrains a training projection's input
 # to, by the kernel's contracted axes: attention's query, key and value; its
 # out projection; the MLP's wi_0 and wi_1 (the decoder layer's layout); wo.
-_INPUT_AXES = {
+INPUT_AXES = {
     ("embed_attn",): ("activation_batch_attn", "activation_input_length_attn",
                       "activation_embed_attn"),
     ("heads", "kv"): ("activation_batch_attn", "activation_length_attn", "activation_heads",
@@ -54,7 +54,7 @@ def input_axes(lhs_ndim, dimension_numbers, kernel_axes):
   tokens_first = tuple(lhs_contract) == tuple(range(2, lhs_ndim))
   if not tokens_first:
     return (None,) * lhs_ndim
-  names = _INPUT_AXES.get(contracted, ())
+  names = INPUT_AXES.get(contracted, ())
   if len(names) != lhs_ndim:
     names = ("activation_batch", "activation_length") + (None,) * (lhs_ndim - 2)
   return names
