@@ -13,7 +13,8 @@ quantized dot_general), backends/ (xla, pallas, native, mosaic) and kernels, fla
 operands outside a forward), diagnostics (per-role error statistics),
 schedule (precision that changes during a run), sharding (mesh and axis
 rules), shard_local (kernel backends per device's shard), checkpointing (orbax), records (the JSON files read back), errors
-(one-line user errors); llama/ (the model), data/, train/ (the trainer),
+(one-line user errors), cpuinfo (the host CPU's model and flags), trained (a
+run's checkpoint or an export, loaded to run); llama/ (the model), data/, train/ (the trainer),
 experiments/ (studies), bench/ (benchmarks), maxtext/; command lines: convert
 (export / import), plot, generate, evaluate and audit.
 

@@ -447,7 +447,7 @@ def test_sigint_during_an_export_is_one_line_and_writes_nothing(trained, tmp_pat
   out, _ = proc.communicate(timeout=TIMEOUT_S)
   assert proc.returncode == 130, out[-3000:]
   assert out.strip() == ("python -m fp4jax.convert: SIGINT received: the export stopped "
-                         "and wrote nothing (OUT_DIR is as it was)."), out[-3000:]
+                         "and wrote nothing (OUT is as it was)."), out[-3000:]
   assert sorted(os.listdir(tmp_path)) == []  # neither OUT_DIR nor OUT_DIR.partial
 
 

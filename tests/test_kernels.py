@@ -129,8 +129,20 @@ def test_packed_with_hadamard_matches_reference(layout, hadamard_block):
   x, axis = _layout(_data(jnp.bfloat16, seed=1), layout, hadamard_block)
   got = kq.quantize_packed(x, spec, axis, hadamard_block=hadamard_block,
                            tile=TILE[layout])
-  for g, w in zip(got, _reference_packed(x, spec, axis, hadamard_block)):
-    _assert_bits_equal(g, w)
+  (codes, scales), (want_codes, want_scales) = got, _reference_packed(
+      x, spec, axis, hadamard_block)
+  _assert_bits_equal(_unsigned_zeros(codes), _unsigned_zeros(want_codes))
+  _assert_bits_equal(scales, want_scales)
+
+
+def _unsigned_zeros(packed):
+  """Packed E2M1 codes with -0 (code 8) written as +0: a rotated block whose
+  terms cancel sums to a zero whose sign depends on the CPU GEMM's order (on an
+  AMX Xeon the kernel's and the reference's dots differ there), not on the
+  quantizer."""
+  p = np.asarray(packed)
+  low, high = p & 0xF, p >> 4
+  return (np.where(low == 8, 0, low) | (np.where(high == 8, 0, high) << 4)).astype(p.dtype)
 
 
 @pytest.mark.parametrize("layout,mode,hadamard_block,signs,dtype", [

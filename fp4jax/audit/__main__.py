@@ -15,7 +15,8 @@ import sys
 
 from fp4jax import errors
 
-errors.exit_on_signals("fp4jax.audit", "during the audit; stopped.")
+if __name__ == "__main__":  # before the heavy imports: see errors.exit_on_signals
+  errors.exit_on_signals("fp4jax.audit", "during the audit; stopped.")
 
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top

@@ -2,7 +2,7 @@
 
   python -m fp4jax.generate RUN [--step N] --prompt TEXT [--prompt TEXT ...]
 
-(fp4jax.generate.__main__ lists the options.) `generate(...)` left-pads the
+(fp4jax.generate.cli parses and checks the options.) `generate(...)` left-pads the
 prompts (BOS + tokens) to the longest, runs them through the model once
 (prefill) into a cache (fp4jax.llama.model.init_cache) and then one token at
 a time; each row stops at EOS or after max_new_tokens. The forward is the

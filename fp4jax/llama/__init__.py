@@ -6,4 +6,5 @@
   hf           Hugging Face names, layouts and config fields; reading safetensors
 fp4_weights  a linear layer's FP4 weights as a packed checkpoint stores them
 hf_packed    packed FP4 Hugging Face checkpoints read back, dequantized
+gguf         llama.cpp's GGUF names, FP4 block layouts, metadata and tokenizer
 """

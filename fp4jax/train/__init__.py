@@ -10,6 +10,8 @@
   init_from    initial weights from a Hugging Face directory or another run
   export       a run as a Hugging Face Llama directory (`python -m fp4jax.convert`)
 export_fp4   the same with packed NVFP4 / MXFP4 block linears (`--quantize`)
+export_gguf  a run as a GGUF file for llama.cpp (OUT ending in .gguf)
+next_steps   the run's files and the commands to use them, printed at its end
   curves       validation curves of runs in one PNG (`python -m fp4jax.plot`)
   cli          command-line checks shared by train.py and the experiments
 atomic       writes that leave the old file or the new one, never a part

@@ -29,11 +29,11 @@ def outputs_and_next(workdir, checkpoint_steps, python="python"):
   docs/export.md has the packed FP4 and llama.cpp forms)."""
   saved = f"steps {', '.join(map(str, checkpoint_steps))}" if checkpoint_steps else "none saved"
   files = [("metrics", run_layout.metrics_file(workdir), "a JSON row per logged step"),
-           ("checkpoints", run_layout.checkpoints(workdir) + os.sep, saved),
+           (run_layout.CHECKPOINTS, run_layout.checkpoints(workdir) + os.sep, saved),
            ("summary", run_layout.summary_file(workdir), "how the run ended"),
            ("config", run_layout.config_file(workdir), "the resolved config")]
   if os.path.isdir(run_layout.tensorboard(workdir)):
-    files.append(("tensorboard", run_layout.tensorboard(workdir) + os.sep, "TensorBoard events"))
+    files.append((run_layout.TENSORBOARD, run_layout.tensorboard(workdir) + os.sep, "TensorBoard events"))
   lines = [f"outputs in {workdir}"] + [f"  {name:<12} {path}  ({what})"
                                        for name, path, what in files]
   if not checkpoint_steps:
