@@ -93,9 +93,15 @@ def _reference(recipe, backend, layer):
   return _ONE_DEVICE[recipe, backend, layer]
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+# Every backend on every mesh with mxfp4-dh16 (blocks, rotations and all three
+# GEMMs' layouts); mxfp4 on the mesh that splits data, FSDP and tensor at once;
+# fp8 (its amax reduced across shards) there and with K split (row layout).
+_LAYER_CASES = [("mxfp4-dh16", m) for m in MESHES] + [
+    ("mxfp4", "2x2x2"), ("fp8", "2x2x2"), ("fp8", "tensor")]
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4-dh16", "fp8"])
+@pytest.mark.parametrize("recipe,mesh_name", _LAYER_CASES)
 def test_a_sharded_dense_layer_equals_one_device_bit_for_bit(recipe, backend, mesh_name):
   _needs(backend)
   _assert_as_on_one_device(recipe, backend, mesh_name)
