@@ -444,3 +444,9 @@ def _plain(recipe, lhs, rhs, dimension_numbers, precision=None, preferred_elemen
   s = _static(recipe, lhs, rhs, dimension_numbers, precision, preferred_element_type,
               out_sharding)
   return _qdot(s, lhs, rhs, None, None, None)
+
+
+def xla_bf16_gemm():
+  """The dtype the xla backend's GEMMs of bf16 values run in on this process's
+  device, and why (fp4jax.backends.xla.bf16_gemm): what a run records."""
+  return backends.module("xla").bf16_gemm()

@@ -32,8 +32,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from fp4jax import dot
 from fp4jax.train import adaptive
-from fp4jax.backends import xla as xla_backend
 from fp4jax.data import pipeline
 from fp4jax.data import sources
 from fp4jax.data import tokenizers
@@ -563,7 +563,7 @@ def _resolved_config(config, model_cfg, segs, mesh, n_params, start,
   `validation` files' fingerprint, what a later reader of the run's
   validation text (an export's calibration) reads and checks;
   xla_bf16_gemm the dtype the xla backend's GEMMs of bf16 values run in here,
-  and why (fp4jax.backends.xla.bf16_gemm)."""
+  and why (fp4jax.dot.xla_bf16_gemm)."""
   resolved = config.to_dict()
   resolved["resolved"] = dict(
       model=dataclasses.asdict(model_cfg),
@@ -574,7 +574,7 @@ def _resolved_config(config, model_cfg, segs, mesh, n_params, start,
       n_params=n_params, mesh=dict(mesh.shape), devices=jax.device_count(),
       resumed_from_step=start,
       quant_schedule=[(seg.start, seg.recipe.name) for seg in segs],
-      xla_bf16_gemm=xla_backend.bf16_gemm()._asdict())
+      xla_bf16_gemm=dot.xla_bf16_gemm()._asdict())
   return json.loads(json.dumps(resolved, default=workdir_lib.json_default))
 
 
