@@ -107,13 +107,16 @@ def _flat_layout(shape, axes, last):
 
 def _lhs_last(backend, spec) -> bool:
   """_flatten's `last` for a GEMM's lhs quantized with `spec` on `backend`: False
-  (in place) where the backend declares LHS_IN_PLACE and `spec` is FP4 (E2M1)
-  in 1D blocks with nearest rounding, True otherwise. Those operands quantize
-  to the same values in either layout (random roundings draw their bits in
-  the blocked layout's shape), and the GEMM's float32 sums of their few-bit
-  products are exact in any order (docs/numerics.md, "The Wgrad lhs")."""
+  (in place) where the backend declares LHS_IN_PLACE and `spec` is MXFP4 (E2M1
+  elements, E8M0 scales) in 1D blocks with nearest rounding, True otherwise.
+  Those operands quantize to the same values in either layout (random roundings
+  draw their bits in the blocked layout's shape), and the GEMM's float32 sums
+  of their few-bit products are exact in any order (docs/numerics.md, "The
+  Wgrad lhs"); NVFP4's E4M3 scales add bits, and its Wgrad summed in place
+  differed in the last bit from the transposed one."""
   return not (getattr(backend, "LHS_IN_PLACE", False) and spec is not None
-              and spec.element_dtype == jnp.float4_e2m1fn and not spec.block_2d
+              and spec.element_dtype == jnp.float4_e2m1fn
+              and spec.scale_dtype == jnp.float8_e8m0fnu and not spec.block_2d
               and not spec.is_random)
 
 

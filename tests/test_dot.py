@@ -548,7 +548,8 @@ def test_per_tensor_operands_are_quantized_once_per_array():
 @pytest.mark.parametrize("name,backend,transposed", [
     ("mxfp4", "xla", False), ("mxfp4-dh16", "xla", False),
     ("mxfp4-sr", "xla", True),  # random bits are drawn in the layout's shape
-    ("mxfp8", "xla", True), ("mxfp4", "pallas", True)])
+    ("mxfp8", "xla", True), ("nvfp4", "xla", True),  # E4M3 scales: sums that round
+    ("mxfp4", "pallas", True)])
 def test_the_wgrad_lhs_is_quantized_in_place_on_xla(name, backend, transposed):
   """The xla backend quantizes an FP4 Wgrad lhs X[M, K] (nearest rounding) along
   its token axis where it lies: no array of X's transposed shape [K, M] in the

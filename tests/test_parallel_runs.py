@@ -217,9 +217,9 @@ def test_sigterm_reaches_the_runs_side_by_side_and_the_study_resumes(tmp_path):
   work = tmp_path / "study"
   command = [sys.executable, "-m", "fp4jax.experiments.ablation",
              "--config=configs/ablation_tiny.py", f"--workdir={work}",
-             "--config.model.n_layers=1", "--config.steps=3000", "--config.seq_len=16",
+             "--config.model.n_layers=1", "--config.steps=800", "--config.seq_len=16",
              "--config.batch_size=4", "--config.eval_batches=1", "--config.eval_batch_size=4",
-             "--config.eval_every=3000", "--config.checkpoint_every=3000",
+             "--config.eval_every=800", "--config.checkpoint_every=800",
              "--config.ablation.recipes=bf16", "--config.ablation.baseline=bf16",
              "--config.ablation.seeds=2", "--config.ablation.recipe_seeds=",
              "--config.ablation.compilation_cache=",
@@ -230,7 +230,7 @@ def test_sigterm_reaches_the_runs_side_by_side_and_the_study_resumes(tmp_path):
                              stderr=subprocess.STDOUT, text=True)
   metrics = [work / f"bf16_seed{s}" / "metrics.jsonl" for s in (0, 1)]
   seen = []  # both runs past their compilation: step 200 printed twice
-  while sum("] 200/3000" in line for line in seen) < 2:
+  while sum("] 200/800" in line for line in seen) < 2:
     seen.append(process.stdout.readline())
     assert seen[-1], "".join(seen)[-3000:]
   process.send_signal(signal.SIGTERM)
@@ -241,13 +241,13 @@ def test_sigterm_reaches_the_runs_side_by_side_and_the_study_resumes(tmp_path):
       "ablation: interrupted (SIGTERM; 2 runs saved a checkpoint); run the same command "
       "again to resume"), out[-3000:]
   stopped = [json.loads((m.parent / "summary.json").read_text()) for m in metrics]
-  assert all(s["status"] == "interrupted" and 0 < s["step"] < 3000 for s in stopped)
+  assert all(s["status"] == "interrupted" and 0 < s["step"] < 800 for s in stopped)
   out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900, check=False)
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   for m, before in zip(metrics, stopped):
     summary = json.loads((m.parent / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["step"] == 3000
+    assert summary["status"] == "completed" and summary["step"] == 800
     assert f"resuming at step {before['step']}" in out.stdout, out.stdout[-3000:]
     steps = [json.loads(line)["step"] for line in m.read_text().splitlines()]
     assert steps == sorted(set(steps))
