@@ -29,6 +29,7 @@ import functools
 from typing import Callable, NamedTuple
 
 import jax
+from jax._src import mesh as mesh_lib  # private: jax.sharding.get_mesh() refuses inside jit
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +85,7 @@ def matmul(a, b, dims, precision, out_sharding, route=None):
   del route
   dtype = gemm_dtype(jnp.promote_types(a.values.dtype, b.values.dtype))
   (lhs_contracting, _), _ = dims
-  if (dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+  if (dtype == jnp.bfloat16 and traced_platform() == "cpu"
       and max(lhs_contracting) != a.values.ndim - 1):
     # A lhs quantized in place (LHS_IN_PLACE: FP4, whose float32 sums are exact in
     # any order): XLA:CPU (jax 0.10.2) runs a bf16 dot contracting the lhs's leading
@@ -102,10 +103,21 @@ class GemmDtype(NamedTuple):
   why: str
 
 
+def traced_platform() -> str:
+  """The platform a program is being traced for: that of the devices of the
+  mesh jax.set_mesh made current (a GPU program compiled on a machine without
+  a GPU, by fp4jax.bench, sets its compile-only GPUs), else the default
+  device's."""
+  mesh = mesh_lib.get_concrete_mesh()
+  if mesh is None or mesh.empty:
+    return jax.default_backend()
+  return mesh.devices.flat[0].platform
+
+
 def gemm_dtype(dtype):
   """The dtype a GEMM of `dtype` operand values runs in: bf16_gemm()'s for
-  bfloat16, `dtype` itself otherwise."""
-  if jnp.dtype(dtype) == jnp.bfloat16:
+  bfloat16 on the CPU, `dtype` itself otherwise."""
+  if jnp.dtype(dtype) == jnp.bfloat16 and traced_platform() == "cpu":
     return jnp.dtype(bf16_gemm().dtype)
   return jnp.dtype(dtype)
 
